@@ -1,0 +1,29 @@
+# One entry point for humans and CI. `make test` builds .venv from nothing and runs the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch must go in before anything that depends on torch, or pip pulls a
+# multi-GB CUDA build. Pinned exactly for that reason.
+TORCH := torch==2.13.0
+
+.PHONY: install test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(BIN)/python -m pytest tests
+
+bench: install
+	$(BIN)/python benchmarks/scheduler_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

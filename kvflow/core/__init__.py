@@ -1,0 +1,10 @@
+"""The scheduler core: pure Python, no torch. See ../shared/DESIGN.md for its boundaries."""
+from kvflow.core.block_pool import BlockPool, KVCacheBlock
+from kvflow.core.config import SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.scheduler import Scheduler
+
+__all__ = ["BlockPool", "EngineCoreOutput", "KVCacheBlock", "KVCacheManager", "Request",
+           "RequestStatus", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]

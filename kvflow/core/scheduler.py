@@ -1,0 +1,292 @@
+"""The scheduler: every step, one token budget shared by running requests, then waiting ones.
+
+Follows vLLM V1 (see ../shared/reference/003 and 004): no prefill or decode phase, only requests
+whose num_computed_tokens chases their num_tokens. Running requests are served first, in order,
+preempting by recompute when blocks run out; waiting requests are admitted only in a step that
+preempted nothing, in queue order, stopping at the first that does not fit.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvflow.core.config import SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.request_queue import create_request_queue
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = c = config if config is not None else SchedulerConfig()
+        self.block_size = c.block_size
+        self.max_model_len = c.max_model_len
+        self.max_num_batched_tokens = c.max_num_batched_tokens
+        self.max_num_seqs = c.max_num_seqs
+        self.priority_policy = c.policy == "priority"
+        self.watermark_blocks = c.watermark_blocks
+        self.kv_cache_manager = KVCacheManager(c.block_size, c.num_blocks, c.max_model_len,
+                                               c.enable_prefix_caching)
+        self.waiting = create_request_queue(c.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}      # unfinished requests only
+        self.finished_req_ids: set[str] = set()     # finished since the last schedule()
+        self._num_added = 0
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise ValueError(f"add_request takes a Request, got {type(request).__name__}")
+        rid, c = request.request_id, self.config
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        if request.status != RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r} was already scheduled ({request.status.name})")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if n >= c.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens must be shorter than "
+                             f"max_model_len ({c.max_model_len})")
+        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds "
+                             f"max_num_batched_tokens ({c.max_num_batched_tokens}) and chunked "
+                             f"prefill is disabled")
+        longest = min(n + request.max_tokens - 1, c.max_model_len)
+        need = self.kv_cache_manager.num_blocks_for(longest)
+        if need > c.num_blocks:
+            raise ValueError(f"request {rid!r}: up to {longest} tokens need {need} KV blocks but "
+                             f"the cache has only num_blocks={c.num_blocks}; lower max_tokens or "
+                             f"add blocks")
+        self._num_added += 1
+        request.seq_no = self._num_added
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (e.g. abort) requests from outside; unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running, waiting = set(), set()
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            (running if req.status == _RUNNING else waiting).add(req)
+            req.status = status
+            self._free_request(req)
+        if running:
+            self.running[:] = [r for r in self.running if r not in running]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        c = self.config
+        kvm = self.kv_cache_manager
+        allocate = kvm.allocate_slots
+        running = self.running
+        budget = self.max_num_batched_tokens
+        threshold = c.long_prefill_token_threshold
+        last_pos = self.max_model_len - 1
+        num_scheduled: dict[str, int] = {}
+        block_ids: dict[str, list[int]] = {}
+        sched_reqs: list[Request] = []      # in scheduling order: running, then admitted
+        sched_running_ids: list[str] = []
+        new_ids: list[str] = []
+        resumed_ids: list[str] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order: decodes ask for 1 token, partial prefills for the rest.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > last_pos - computed:
+                n = last_pos - computed
+                if n <= 0:
+                    i += 1
+                    continue
+            ids = allocate(req, n)
+            while ids is None:
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:     # priority only: undo its schedule
+                    budget += num_scheduled.pop(victim.request_id)
+                    del block_ids[victim.request_id]
+                    sched_reqs.remove(victim)
+                    sched_running_ids.remove(victim.request_id)
+                    kvm.uncache_uncomputed(victim)
+                vi = running.index(victim)
+                del running[vi]
+                if vi < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                ids = allocate(req, n)
+            if ids is None:
+                break
+            rid = req.request_id
+            num_scheduled[rid] = n
+            block_ids[rid] = ids
+            sched_reqs.append(req)
+            sched_running_ids.append(rid)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, only if nothing was preempted, in order, no skipping.
+        if not preempted:
+            self._admit_waiting(budget, num_scheduled, block_ids, sched_reqs, new_ids, resumed_ids)
+
+        for req in sched_reqs:
+            req.num_computed_tokens += num_scheduled[req.request_id]
+        out = SchedulerOutput(
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_req_ids=new_ids,
+            scheduled_resumed_req_ids=resumed_ids,
+            scheduled_running_req_ids=sched_running_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+            block_ids=block_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.priority_policy:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       block_ids: dict[str, list[int]], sched_reqs: list[Request],
+                       new_ids: list[str], resumed_ids: list[str]) -> None:
+        c, kvm, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
+        threshold = c.long_prefill_token_threshold
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting.peek_request()
+            hits, num_hit = kvm.get_computed_blocks(req)
+            num_tokens = len(req.all_token_ids)
+            n = num_tokens - num_hit
+            if c.enable_chunked_prefill:
+                if 0 < threshold < n:
+                    n = threshold
+            elif n > budget and n <= self.max_num_batched_tokens:
+                break   # no chunking: the whole uncached part must fit in this step
+            # (A resumed request longer than the whole budget is recomputed in chunks even
+            # without chunked prefill; otherwise it could never run again.)
+            n = min(n, budget, self.max_model_len - 1 - num_hit)
+            watermark = self.watermark_blocks if running else 0
+            ids = kvm.allocate_slots(req, n, num_hit, hits, watermark, c.reserve_full_sequence)
+            if ids is None:
+                break
+            waiting.pop_request()
+            rid = req.request_id
+            (new_ids if req.status == RequestStatus.WAITING else resumed_ids).append(rid)
+            req.status = _RUNNING
+            req.num_computed_tokens = num_hit
+            req.num_cached_tokens = num_hit
+            if c.enable_prefix_caching:
+                self.prefix_cache_queries += num_tokens
+                self.prefix_cache_hits += num_hit
+            running.append(req)
+            num_scheduled[rid] = n
+            block_ids[rid] = ids
+            sched_reqs.append(req)
+            budget -= n
+
+    # ---- results of the step -----------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests' blocks."""
+        requests = self.requests
+        max_model_len = self.max_model_len
+        outputs: list[EngineCoreOutput] = []
+        num_finished = 0
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is None or req.status != _RUNNING:
+                continue                # finished (e.g. aborted) after it was scheduled
+            toks = sampled_token_ids.get(rid)
+            if not toks:
+                continue
+            all_ids = req.all_token_ids
+            if req.num_computed_tokens < len(all_ids):
+                continue                # a prefill chunk short of the end samples nothing
+            out_ids = req.output_token_ids
+            status = None
+            for k, t in enumerate(toks):
+                out_ids.append(t)
+                all_ids.append(t)
+                n_out = len(out_ids)
+                if n_out >= req.min_tokens:
+                    if t == req.stop_eos:
+                        status = _STOPPED
+                    elif req.stop_token_set is not None and t in req.stop_token_set:
+                        status = _STOPPED
+                        req.stop_reason = t
+                if status is None and (n_out >= req.max_tokens or len(all_ids) >= max_model_len):
+                    status = _LENGTH
+                if status is not None:
+                    if k + 1 < len(toks):
+                        toks = toks[:k + 1]
+                    break
+            if status is None:
+                outputs.append(EngineCoreOutput(rid, toks))
+            else:
+                req.status = status
+                self._free_request(req)
+                num_finished += 1
+                outputs.append(EngineCoreOutput(rid, toks, True, req.get_finished_reason(),
+                                                req.stop_reason))
+        if num_finished:
+            self.running[:] = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    # ---- introspection -------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
