@@ -111,11 +111,10 @@ class KVCacheManager:
             num_need = self.max_model_len
         num_hits = len(new_computed_blocks)
         if not num_hits and num_need <= num_have * bs and not full_sequence:
-            # Fast path (every decode step but one in block_size): no new block needed.
-            if self.enable_caching:
-                num_full = min(num_need, len(request.all_token_ids)) // bs
-                if num_full > self.num_cached_block.get(rid, 0):
-                    self._cache_blocks(request, ids, num_full)
+            # Fast path (every decode step but one in block_size): no new block needed, and a
+            # block to cache only if this step's tokens cross a block boundary.
+            if self.enable_caching and num_need // bs > num_computed // bs:
+                self._cache_blocks(request, ids, min(num_need, len(request.all_token_ids)) // bs)
             return ids
         # Hits sitting in the free queue stop being free once taken: count them as allocations.
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hits else 0

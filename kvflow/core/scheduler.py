@@ -183,7 +183,10 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # vLLM's key is (priority, arrival_time); on a tie it takes the first in running
+            # order, which changes as requests are re-admitted, and two tied requests can then
+            # preempt each other forever. seq_no makes the order total, as in the waiting heap.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.seq_no))
         return self.running[-1]
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
