@@ -16,15 +16,11 @@ tokenizer); nothing is fetched from a hub. Needs vLLM (benchmarks/install_vllm_c
 """
 from __future__ import annotations
 
-import argparse
-import gc
 import json
 import os
-import platform
-import random
-import statistics
 import tempfile
-import time
+
+from overhead_common import parser, run, time_steps, workload
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -106,93 +102,48 @@ def fake_output(sched_out, tokens: dict[str, list[int]], requests):
 def build(model_dir: str, n: int, seed: int, block_size: int, log_stats: bool,
           hash_algo: str | None):
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     sched, hasher, cfg = create_scheduler(model_dir, n, block_size, 1 << 17, log_stats, hash_algo)
-    rng = random.Random(seed)
+    prompts, tokens = workload(n, seed)      # the same prompts as scheduler_overhead.py
     sp = SamplingParams(max_tokens=4096, ignore_eos=True)
-    for i in range(n):
-        # Identical draws to scheduler_overhead.py, so the prompts are the same.
-        prompt = [rng.randrange(32000) for _ in range(rng.randint(64, 512))]
+    for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"req-{i}", prompt, sp, None, block_hasher=hasher))
-    tokens = {f"req-{i}": [rng.randrange(32000)] for i in range(n)}
     # Prefill until every request is one token behind: a pure decode state.
     while sched.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in sched.running):
         so = sched.schedule()
         sched.update_from_output(so, fake_output(so, tokens, sched.requests))
     assert len(sched.running) == n
     # The fake executor's output for a full decode step, precomputed (kvflow passes a dict).
-    from vllm.v1.outputs import ModelRunnerOutput
     ids = [f"req-{i}" for i in range(n)]
     mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                             sampled_token_ids=[tokens[r] for r in ids])
     return sched, mro, cfg
 
 
-def measure(model_dir: str, n: int, steps: int, seed: int, block_size: int, log_stats: bool,
-            hash_algo: str | None) -> dict:
-    sched, mro, _ = build(model_dir, n, seed, block_size, log_stats, hash_algo)
-    t_sched, t_update = [], []
-    gc.collect()
-    gc.disable()   # keep collector pauses out of per-step numbers, as in scheduler_overhead.py
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            so = sched.schedule()
-            t1 = time.perf_counter()
-            sched.update_from_output(so, mro)
-            t2 = time.perf_counter()
-            assert len(so.num_scheduled_tokens) == n, "not a steady decode state"
-            assert so.total_num_scheduled_tokens == n, "not a steady decode state"
-            t_sched.append(t1 - t0)
-            t_update.append(t2 - t1)
-    finally:
-        gc.enable()
-    assert not sched.finished_req_ids and len(sched.running) == n
-    s, u = statistics.median(t_sched) * 1e6, statistics.median(t_update) * 1e6
-    return {"num_running": n, "schedule_us": s, "update_us": u, "step_us": s + u,
-            "per_request_us": (s + u) / n}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-running", type=int, nargs="+", default=[256, 512, 1024])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = parser(__doc__)
     ap.add_argument("--log-stats", action="store_true",
                     help="build the scheduler with log_stats=True (vLLM's tests do; "
                          "`vllm serve` does unless --disable-log-stats)")
     ap.add_argument("--hash-algo", default=None,
                     help="prefix-caching hash (CacheConfig.prefix_caching_hash_algo); "
                          "default: vLLM's default")
-    ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
-
     import vllm
-    from tqdm import tqdm
 
     model_dir = make_model_dir()
     _, _, cfg = create_scheduler(model_dir, 1, a.block_size, 1024, a.log_stats, a.hash_algo)
-    algo = cfg.cache_config.prefix_caching_hash_algo
-    results = []
-    for n in a.num_running:
-        runs = [measure(model_dir, n, a.steps, a.seed + r, a.block_size, a.log_stats, a.hash_algo)
-                for r in tqdm(range(a.repeats), desc=f"N={n}", leave=False)]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        results.append(med)
-    print(f"vLLM {vllm.__version__} V1 Scheduler overhead, steady-state decode, "
-          f"block_size={a.block_size}, {a.steps} steps x {a.repeats} repeats (median), "
-          f"Python {platform.python_version()}, {platform.machine()}, "
-          f"log_stats={a.log_stats}, prefix-cache hash={algo}")
-    print(f"{'N':>6} {'schedule us':>12} {'update us':>10} {'step us':>9} {'us/request':>11}")
-    for r in results:
-        print(f"{r['num_running']:>6} {r['schedule_us']:>12.0f} {r['update_us']:>10.0f} "
-              f"{r['step_us']:>9.0f} {r['per_request_us']:>11.2f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+
+    def measure(n: int, seed: int) -> dict:
+        sched, mro, _ = build(model_dir, n, seed, a.block_size, a.log_stats, a.hash_algo)
+        res = time_steps(sched.schedule, lambda so: sched.update_from_output(so, mro), n, a.steps)
+        assert not sched.finished_req_ids and len(sched.running) == n
+        return res
+
+    run(f"vLLM {vllm.__version__} V1 Scheduler overhead (log_stats={a.log_stats}, prefix-cache "
+        f"hash={cfg.cache_config.prefix_caching_hash_algo})", measure, a)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ class Harness:
         had_unfinished = s.has_unfinished_requests()
         old_preemptions = {rid: r.num_preemptions for rid, r in self.live.items()}
         old_stats = s.make_stats()
+        old_cached = set(kvm.block_pool.cached) if not old_running else None
 
         so = s.schedule()
 
@@ -322,6 +323,20 @@ class Harness:
                 reserve = c.watermark_blocks if (kept or len(admitted) > 1) else 0
                 assert kvm.num_free_blocks >= full - len(kvm.get_block_ids(last.request_id)) \
                     + reserve, "admitted without room for the whole sequence"
+        if old_cached is not None and admitted and c.enable_prefix_caching:
+            # Nothing ran before the first admission's lookup, so the cache it saw is the one
+            # before schedule(): its hit is the longest cached chain of whole blocks, capped
+            # to leave at least one token to compute.
+            first = s.requests[run_ids[0]]
+            hashes = getattr(first, "block_hashes", None)
+            if hashes is not None:
+                cap = (first.num_tokens - 1) // self.bs
+                hit = 0
+                while hit < cap and hashes[hit] in old_cached:
+                    hit += 1
+                assert first.num_cached_tokens == hit * self.bs, (
+                    f"{first.request_id}: hit {first.num_cached_tokens} tokens, the cache held "
+                    f"{hit * self.bs}")
         # prefix-cache stats: counted once per admission, in tokens
         stats = s.make_stats()
         if c.enable_prefix_caching:
