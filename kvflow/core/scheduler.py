@@ -143,7 +143,7 @@ class Scheduler:
                     sched_reqs.remove(victim)
                     sched_running_ids.remove(victim.request_id)
                     kvm.uncache_uncomputed(victim)
-                vi = running.index(victim)
+                vi = len(running) - 1 if running[-1] is victim else running.index(victim)
                 del running[vi]
                 if vi < i:
                     i -= 1
