@@ -407,3 +407,15 @@ def test_block_table_covers_exactly_the_computed_tokens_after_every_step():
         for r in s.running:
             assert len(kvm.get_block_ids(r.request_id)) == blocks_for(r.num_computed_tokens, bs)
     assert s.make_stats().num_preemptions > 0
+
+
+def test_a_request_with_nothing_to_compute_is_not_scheduled_with_0_tokens():
+    # The executor returned no token for a request that sampled: nothing is left to compute,
+    # and vLLM skips such a request rather than scheduling it for 0 tokens.
+    s = make_sched(block_size=4, num_blocks=8)
+    s.add_request(req("a", [1, 2, 3]))
+    s.update_from_output(s.schedule(), {})
+    s.add_request(req("b", 2))
+    so = s.schedule()
+    assert "a" not in so.num_scheduled_tokens
+    assert so.num_scheduled_tokens == {"b": 2}

@@ -131,9 +131,9 @@ class Scheduler:
                 n = budget
             if n > last_pos - computed:
                 n = last_pos - computed
-                if n <= 0:
-                    i += 1
-                    continue
+            if n <= 0:      # at max_model_len, or its sampled token never came back
+                i += 1
+                continue
             ids = allocate(req, n)
             while ids is None:
                 victim = self._pick_victim()
