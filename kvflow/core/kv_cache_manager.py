@@ -26,7 +26,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self._blocks = self.block_pool.blocks
         # request_id -> block ids. Copy-on-write: a list handed out is never mutated, so an old
         # SchedulerOutput keeps the table it was given.
@@ -62,7 +62,7 @@ class KVCacheManager:
             toks, bs = request.all_token_ids, self.block_size
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_blocks):
-                parent = hash((parent, tuple(toks[i * bs:(i + 1) * bs])))
+                parent = hash_block_tokens(parent, toks[i * bs:(i + 1) * bs])
                 hashes.append(parent)
         return hashes
 
