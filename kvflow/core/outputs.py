@@ -12,6 +12,11 @@ class SchedulerOutput:
     this step are `all_token_ids[num_computed_tokens - n : num_computed_tokens]`, read *after*
     schedule() returned (schedule() has already advanced num_computed_tokens by n). The block-id
     lists are snapshots: the KV cache manager never mutates a list it has handed out.
+
+    A block is prefix-cached as soon as the step that fills it is scheduled, so a request admitted
+    later in the same step may hit blocks whose K/V this very step computes (as in vLLM). An
+    executor must therefore write every scheduled token's K/V for a layer before any attention
+    of that layer reads the cache.
     """
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
