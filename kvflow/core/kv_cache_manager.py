@@ -134,8 +134,7 @@ class KVCacheManager:
                 new_ids += [b.block_id for b in self.block_pool.get_new_blocks(num_new_blocks)]
             ids = new_ids if ids is None else ids + new_ids
             self.req_to_block_ids[rid] = ids
-        elif ids is None:
-            ids = self.req_to_block_ids[rid] = []
+        assert ids is not None, "a new request always needs at least one block"
         if rid not in self.num_cached_block:
             self.num_cached_block[rid] = num_hits
         if self.enable_caching:
