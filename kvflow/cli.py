@@ -1,0 +1,133 @@
+"""`kvflow generate`, `kvflow chat` (and the other subcommands as they land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+_ENGINE_KEYS = ("dtype", "seed", "num_threads", "kv_cache_memory", "num_blocks", "block_size",
+                "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                "enable_prefix_caching", "enable_chunked_prefill",
+                "long_prefill_token_threshold", "policy")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _ENGINE_KEYS}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[])
+
+
+def _sampling(args):
+    from kvflow import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+
+
+def _report(outs, t0: float, t_load: float) -> None:
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    dt = time.perf_counter() - t0
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s; model load {t_load:.2f} s]",
+          file=sys.stderr)
+
+
+def _cmd_generate(args) -> int:
+    from kvflow import LLM
+    t = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    t_load = time.perf_counter() - t
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompt, _sampling(args), use_tqdm=False)
+    for o in outs:
+        print(o.outputs[0].text)
+    _report(outs, t0, t_load)
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    from kvflow import LLM
+    t = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    t_load = time.perf_counter() - t
+    sp = _sampling(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message:        # one turn, for scripts and `make demo`
+        history.append({"role": "user", "content": " ".join(args.message)})
+        t0 = time.perf_counter()
+        outs = llm.chat(history, sp, use_tqdm=False)
+        print(outs[0].outputs[0].text)
+        _report(outs, t0, t_load)
+        return 0
+    print("kvflow chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        t0 = time.perf_counter()
+        outs = llm.chat(history, sp, use_tqdm=False)
+        text = outs[0].outputs[0].text
+        print(text)
+        _report(outs, t0, t_load)
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete prompts with a model")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    add_engine_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=_cmd_generate)
+    c = sub.add_parser("chat", help="chat with a model (interactive, or one message)")
+    c.add_argument("message", nargs="*", help="a single user message; omit for interactive")
+    c.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model execution: architectures, attention backends, loaders, the runner and the sampler."""

@@ -1,0 +1,165 @@
+"""Paged attention behind a small backend interface.
+
+The runner builds one AttentionMetadata per step; the backend's prepare() turns it into whatever
+index tensors it wants (once per step, shared by every layer), then forward() runs per layer:
+write the new K/V into the paged cache by slot, then attend each request's query tokens to its
+whole context read through its block table. Writing before reading is required: a request may
+hit prefix blocks whose K/V are computed in this same step (see SchedulerOutput).
+
+Batch order: the runner puts decodes (one query token) first, then prefill chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor          # [num_tokens] flat slot = block_id * block_size + offset
+    query_start_loc: list[int]          # cu_seqlens_q, len num_reqs + 1
+    seq_lens: list[int]                 # context length of each request after this step
+    block_table: torch.Tensor           # [num_reqs, max_blocks], padded with 0
+    num_decodes: int                    # the first num_decodes requests have 1 query token
+    block_size: int
+    extra: dict = field(default_factory=dict)   # the backend's per-step precomputation
+
+
+class AttentionBackend:
+    """Interface. kv_cache for a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    name = "abstract"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        raise NotImplementedError
+
+
+# A padded batch of prefills is used while its padding wastes at most this factor of work;
+# beyond it (one long prompt among short ones) each prefill runs on its own.
+_MAX_PAD_WASTE = 2.0
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """CPU (and fallback) backend on torch's scaled_dot_product_attention.
+
+    Contexts are gathered a whole block at a time (index_select over the block axis is several
+    times faster on CPU than gathering single slots). GQA without copying K/V: the query heads
+    that share a KV head are folded into the query-length axis, [B, KVH, G*Lq, D].
+    """
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        ex = meta.extra
+        ex.clear()
+        bt, bs = meta.block_table, meta.block_size
+        d = meta.num_decodes
+        if d:
+            lens = meta.seq_lens[:d]
+            nb = -(-max(lens) // bs)
+            ex["d_blocks"] = bt[:d, :nb].reshape(-1)
+            key_pos = torch.arange(nb * bs)
+            ex["d_mask"] = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        qsl, lens = meta.query_start_loc, meta.seq_lens
+        pre = [(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(d, len(lens))]
+        if not pre:
+            ex["p_batched"] = None
+            ex["p_single"] = []
+            return
+        max_q = max(p[2] for p in pre)
+        max_ctx = max(p[3] for p in pre)
+        useful = sum(p[2] * p[3] for p in pre)
+        if len(pre) > 1 and len(pre) * max_q * max_ctx <= _MAX_PAD_WASTE * useful:
+            ex["p_batched"] = self._prepare_batched(meta, pre, max_q, max_ctx)
+            ex["p_single"] = []
+        else:
+            ex["p_batched"] = None
+            ex["p_single"] = [self._prepare_one(meta, p) for p in pre]
+
+    @staticmethod
+    def _causal_mask(q_len: int, ctx: int, n_keys: int) -> torch.Tensor:
+        # Query i sits at position ctx - q_len + i and sees keys up to and including itself.
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        return torch.arange(n_keys)[None, :] <= q_pos
+
+    def _prepare_one(self, meta: AttentionMetadata, p) -> tuple:
+        i, start, q_len, ctx = p
+        if ctx == q_len:
+            return (start, q_len, None, None)       # no cached prefix: attend to fresh K/V
+        nb = -(-ctx // meta.block_size)
+        return (start, q_len, meta.block_table[i, :nb], self._causal_mask(q_len, ctx,
+                                                                        nb * meta.block_size))
+
+    def _prepare_batched(self, meta: AttentionMetadata, pre, max_q: int, max_ctx: int) -> tuple:
+        bs = meta.block_size
+        nb = -(-max_ctx // bs)
+        n_keys = nb * bs
+        rows = torch.tensor([p[0] for p in pre])
+        q_idx = torch.zeros(len(pre), max_q, dtype=torch.long)
+        mask = torch.zeros(len(pre), max_q, n_keys, dtype=torch.bool)
+        for j, (_, start, q_len, ctx) in enumerate(pre):
+            q_idx[j, :q_len] = torch.arange(start, start + q_len)
+            mask[j, :q_len] = self._causal_mask(q_len, ctx, n_keys)
+            mask[j, q_len:, 0] = True       # padded query rows need one key or SDPA gives NaN
+        q_lens = [p[2] for p in pre]
+        valid = torch.cat([torch.arange(j * max_q, j * max_q + n) for j, n in enumerate(q_lens)])
+        out_idx = torch.cat([torch.arange(p[1], p[1] + p[2]) for p in pre])
+        blocks = meta.block_table[rows, :nb].reshape(-1)
+        return q_idx, mask[:, None], blocks, nb, valid, out_idx
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        _, bs, kvh, hd = k_cache.shape
+        n = meta.num_tokens
+        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k[:n])
+        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v[:n])
+        g = q.shape[1] // kvh
+        out = torch.empty_like(q)
+        ex = meta.extra
+        d = meta.num_decodes
+        if d:
+            blocks = ex["d_blocks"]
+            keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
+            vals = v_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
+            qd = q[:d].view(d, kvh, g, hd)
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=ex["d_mask"],
+                                               scale=scale)
+            out[:d] = o.reshape(d, kvh * g, hd)
+        if ex["p_batched"] is not None:
+            self._forward_batched(q, out, k_cache, v_cache, ex["p_batched"], kvh, g, hd, scale)
+        for start, q_len, blocks, mask in ex["p_single"]:
+            qs = q[start:start + q_len].view(q_len, kvh, g, hd).permute(1, 2, 0, 3)
+            if blocks is None:
+                ks = k[start:start + q_len].transpose(0, 1)
+                vs = v[start:start + q_len].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs.reshape(kvh * g, q_len, hd),
+                                                   ks.repeat_interleave(g, 0),
+                                                   vs.repeat_interleave(g, 0),
+                                                   is_causal=True, scale=scale)
+                out[start:start + q_len] = o.transpose(0, 1)
+                continue
+            ks = k_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1)
+            vs = v_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs.reshape(kvh, g * q_len, hd), ks, vs,
+                                               attn_mask=mask.repeat(g, 1), scale=scale)
+            out[start:start + q_len] = o.view(kvh, g, q_len, hd).permute(2, 0, 1, 3).reshape(
+                q_len, kvh * g, hd)
+        return out
+
+    @staticmethod
+    def _forward_batched(q, out, k_cache, v_cache, prep, kvh, g, hd, scale):
+        q_idx, mask, blocks, nb, valid, out_idx = prep
+        p, max_q = q_idx.shape
+        qp = q[q_idx.view(-1)].view(p, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4)
+        keys = k_cache.index_select(0, blocks).view(p, -1, kvh, hd).transpose(1, 2)
+        vals = v_cache.index_select(0, blocks).view(p, -1, kvh, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp.reshape(p, kvh, g * max_q, hd), keys, vals,
+                                           attn_mask=mask.repeat(1, 1, g, 1), scale=scale)
+        o = o.view(p, kvh, g, max_q, hd).permute(0, 3, 1, 2, 4).reshape(p * max_q, kvh * g, hd)
+        out[out_idx] = o[valid]

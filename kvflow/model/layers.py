@@ -1,0 +1,83 @@
+"""Layers shared by the decoder architectures. Numerics follow HF transformers on purpose (norms
+and RoPE tables in float32, cast back to the model dtype at the same points) so greedy outputs
+match token for token."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+        # between interpolated smoothly.
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, out)
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported "
+                              f"(supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half), with a cos/sin table for positions < max_len."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling, self.max_len = head_dim, theta, scaling, max_len
+        self.cos = self.sin = None
+
+    def build(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        # Built after weights are loaded: models are created on the meta device.
+        inv = _inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)      # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

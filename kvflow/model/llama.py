@@ -1,0 +1,141 @@
+"""Llama, in one readable file. Qwen2 and Qwen3 reuse it with their two differences switched on.
+
+The forward pass takes the step's flattened tokens [T] (every request's query tokens back to
+back, no padding) and returns hidden states only for the rows that sample (logits_indices), so a
+prefill chunk never pays for the LM head on tokens nobody samples.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.config import ModelConfig
+from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each head's vector of q and k, before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, positions, x, rotary, backend: AttentionBackend, kv_cache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, positions, h, rotary, backend, kv_cache, meta):
+        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, backend, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint names that load into a slice of one of our fused parameters.
+    stacked_params = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1),
+                      ("v_proj", "qkv_proj", 2), ("gate_proj", "gate_up_proj", 0),
+                      ("up_proj", "gate_up_proj", 1))
+
+    def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                      max_model_len)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                backend: AttentionBackend, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, self.rotary, backend, kv_cache, meta)
+        return self.norm(h[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w)
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue        # tied: some checkpoints store the copy anyway
+            name = name.removeprefix("model.")
+            for src, dst, shard in self.stacked_params:
+                if f".{src}." in name:
+                    name = name.replace(f".{src}.", f".{dst}.")
+                    p = params.get(name)
+                    if p is None:
+                        raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+                    dst_view = _shard(p, shard, self.cfg, dst)
+                    if dst_view.shape != w.shape:
+                        raise ValueError(f"weight {src!r} of {name!r}: checkpoint shape "
+                                         f"{tuple(w.shape)} != {tuple(dst_view.shape)}")
+                    dst_view.copy_(w)
+                    loaded.add(f"{name}#{shard}")
+                    break
+            else:
+                p = params.get(name)
+                if p is None:
+                    raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+                if p.shape != w.shape:
+                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(w.shape)} != "
+                                     f"model shape {tuple(p.shape)}")
+                p.data.copy_(w)
+                loaded.add(name)
+        missing = [n for n, p in params.items() if not _is_loaded(n, loaded)]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _shard(p: torch.Tensor, shard: int, cfg: ModelConfig, dst: str) -> torch.Tensor:
+    if dst == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        start, size = (0, q) if shard == 0 else (q + (shard - 1) * kv, kv)
+    else:
+        size = cfg.intermediate_size
+        start = shard * size
+    return p.data.narrow(0, start, size)
+
+
+def _is_loaded(name: str, loaded: set[str]) -> bool:
+    if ".qkv_proj." in name:
+        return all(f"{name}#{i}" in loaded for i in range(3))
+    if ".gate_up_proj." in name:
+        return all(f"{name}#{i}" in loaded for i in range(2))
+    return name in loaded

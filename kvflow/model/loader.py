@@ -1,0 +1,104 @@
+"""Find, read and instantiate a checkpoint: an HF directory (config.json + *.safetensors) or a
+GGUF file (dequantised at load). With no path, the embedded SmolLM2-135M-Instruct GGUF."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvflow.model.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    path: str
+    config: dict                       # HF config.json dict
+    weights: object                    # callable -> iterator of (HF name, tensor)
+    tokenizer_json: object = None      # tokenizers.Tokenizer, or None to read tokenizer.json
+    chat_template: str | None = None
+    special: dict = field(default_factory=dict)     # bos/eos tokens and ids, add_bos
+
+
+def bf16_is_fast() -> bool:
+    # bf16 matmuls are fast only with AVX512-BF16 / AMX; elsewhere they are emulated and slower
+    # than float32.
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str = "cpu"):
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    want = _DTYPES.get(checkpoint_dtype, torch.float32)
+    if device == "cpu" and want in (torch.bfloat16, torch.float16):
+        return torch.bfloat16 if bf16_is_fast() else torch.float32
+    return want
+
+
+def default_model_path() -> str:
+    from kvflow.model.gguf_loader import default_model_path as p
+    return p()
+
+
+def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
+    path = default_model_path() if path is None else os.fspath(path)
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from kvflow.model.gguf_loader import load_gguf
+        g = load_gguf(p)
+        # GGUF weights are quantised or float; the model was trained in bf16.
+        cfg = dict(g.config, torch_dtype="bfloat16")
+        special = {"bos_token_id": g.bos_token_id, "eos_token_id": g.eos_token_id,
+                   "add_bos_token": g.add_bos_token}
+        return Checkpoint(str(p), cfg, g.tensors, g.tokenizer, g.chat_template, special)
+    if not p.is_dir():
+        raise FileNotFoundError(f"model path {path!r} is neither a directory with config.json "
+                                f"nor a .gguf file (kvflow never downloads from a hub)")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{path!r} has no config.json")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
+    cfg = json.loads((p / "config.json").read_text())
+    return Checkpoint(str(p), cfg, lambda: _safetensors_weights(files))
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                device: str = "cpu") -> tuple[ModelConfig, nn.Module, torch.dtype]:
+    from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.model.qwen2 import Qwen2ForCausalLM
+    from kvflow.model.qwen3 import Qwen3ForCausalLM
+    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    cfg = ModelConfig.from_hf(ckpt.config)
+    dt = resolve_dtype(dtype, cfg.torch_dtype, device)
+    max_len = max_model_len or cfg.max_position_embeddings
+    with torch.device("meta"):
+        model = classes[cfg.architecture](cfg, max_len)
+    model = model.to(dtype=dt).to_empty(device=device)
+    with torch.inference_mode():
+        model.load_weights(ckpt.weights())
+    model.rotary.build(dt, device)
+    model.eval().requires_grad_(False)
+    return cfg, model, dt

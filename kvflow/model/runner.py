@@ -1,0 +1,124 @@
+"""The model runner: one SchedulerOutput in, one forward pass over the flattened batch, one sampled
+token per request whose scheduled tokens reach the end of its sequence."""
+from __future__ import annotations
+
+import torch
+
+from kvflow.core.outputs import SchedulerOutput
+from kvflow.core.request import Request
+from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from kvflow.model.config import ModelConfig
+from kvflow.model.sampler import Sampler
+
+
+def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
+                          kv_cache_memory: int) -> int:
+    per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+    n = int(kv_cache_memory) // per_block
+    if n < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block "
+                         f"({per_block} bytes per block of {block_size} tokens)")
+    return n
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                 block_size: int, num_blocks: int, backend: AttentionBackend | None = None,
+                 seed: int = 0, device: str = "cpu") -> None:
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.backend = backend or TorchAttentionBackend()
+        # One allocation for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.temperature == 0:
+            return None
+        g = self.generators.get(req.request_id)
+        if g is None:
+            g = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+        return g
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput,
+                      requests: dict[str, Request]) -> dict[str, list[int]]:
+        if so.total_num_scheduled_tokens == 0:
+            return {}
+        bs = self.block_size
+        items = so.num_scheduled_tokens.items()
+        # Decodes (one query token) first: the attention backend batches them as one group.
+        order = [rid for rid, n in items if n == 1] + [rid for rid, n in items if n != 1]
+        num_decodes = sum(1 for _, n in items if n == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for rid in order:
+            req = requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            end = req.num_computed_tokens     # already advanced by schedule()
+            start = end - n
+            table = so.block_ids[rid]
+            if n == 1:
+                input_ids.append(req.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+                pos = range(start, end)
+                positions.extend(pos)
+                slots.extend([table[p // bs] * bs + p % bs for p in pos])
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == len(req.all_token_ids):
+                logits_rows.append(qsl[-1] - 1)
+                sample_reqs.append(req)
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        meta = AttentionMetadata(num_tokens=len(input_ids),
+                                 slot_mapping=torch.tensor(slots, dtype=torch.long),
+                                 query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table,
+                                 num_decodes=num_decodes, block_size=bs)
+        self.backend.prepare(meta)
+        if not sample_reqs:
+            logits_rows = [len(input_ids) - 1]      # run the layers (they write KV); skip nothing
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
+                            torch.tensor(positions, dtype=torch.long), self.kv_caches,
+                            self.backend, meta, torch.tensor(logits_rows, dtype=torch.long))
+        if not sample_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden).float()
+        tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
+                              [self._generator(r) for r in sample_reqs])
+        return {r.request_id: [t] for r, t in zip(sample_reqs, tokens)}
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """All-position logits of one prompt run through the paged path (blocks 0..n-1); for
+        tests and debugging, not for serving."""
+        bs, n = self.block_size, len(token_ids)
+        nb = -(-n // bs)
+        if nb > self.num_blocks:
+            raise ValueError(f"{n} tokens need {nb} blocks; the cache has {self.num_blocks}")
+        meta = AttentionMetadata(num_tokens=n, slot_mapping=torch.arange(n),
+                                 query_start_loc=[0, n], seq_lens=[n],
+                                 block_table=torch.arange(nb)[None, :], num_decodes=int(n == 1),
+                                 block_size=bs)
+        self.backend.prepare(meta)
+        hidden = self.model(torch.tensor(token_ids), torch.arange(n), self.kv_caches,
+                            self.backend, meta, torch.arange(n))
+        return self.model.compute_logits(hidden).float()

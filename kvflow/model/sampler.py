@@ -1,0 +1,62 @@
+"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Sampling from softmax(logits) is done as argmax(probs / q) with q ~ Exp(1) (the exponential race,
+equivalent to a multinomial draw), so a seeded request only needs its own generator to draw q and
+its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvflow.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        """logits [N, V] float32 -> one token id per row."""
+        greedy = [p.temperature == 0 for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        n = logits.shape[0]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             dtype=logits.dtype)
+        x = logits / temps[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            x = _apply_top_k_top_p(x, top_k, top_p)
+        probs = x.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        sampled = (probs / q).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+        assert sampled.shape[0] == n
+        return sampled.tolist()
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = x.shape[1]
+    sorted_x, idx = x.sort(dim=-1, descending=False)
+    if any(k > 0 for k in top_k):
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+        kth = sorted_x.gather(1, (vocab - k)[:, None])      # the k-th largest value
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=x.dtype)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose mass is at most 1 - p; the top token always stays.
+        drop = cum <= (1 - p)[:, None]
+        drop[:, -1] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, idx, sorted_x)
