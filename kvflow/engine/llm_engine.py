@@ -118,7 +118,9 @@ class LLMEngine:
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+                return (text if isinstance(text, str) else None,
+                        self._tokenize(prompt["prompt_token_ids"])[1])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
