@@ -59,9 +59,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)      # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for this step's positions; shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(cos_sin, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, positions, x, rotary, backend: AttentionBackend, kv_cache,
+    def forward(self, cos_sin, x, backend: AttentionBackend, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -52,8 +52,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, h, rotary, backend, kv_cache, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, backend, kv_cache, meta)
+    def forward(self, cos_sin, h, backend, kv_cache, meta):
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), backend, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -78,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, self.rotary, backend, kv_cache, meta)
+            h = layer(cos_sin, h, backend, kv_cache, meta)
         return self.norm(h[logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
