@@ -15,9 +15,10 @@ _CONTEXT = 6
 
 class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "stop",
-                 "max_stop_len", "stop_reason")
+                 "max_stop_len", "stop_reason", "min_tokens", "num_out")
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -26,12 +27,16 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.stop_reason: str | None = None
+        # As in vLLM, stop strings only count once min_tokens tokens are out (like EOS does).
+        self.min_tokens = min_tokens
+        self.num_out = 0
 
     def update(self, new_token_ids: list[int]) -> bool:
         """Append tokens; returns True when a stop string matched (text is then cut before it)."""
         dec = self.tokenizer.decode
         for t in new_token_ids:
             self.ids.append(t)
+            self.num_out += 1
             prefix = dec(self.ids[self.prefix_offset:self.read_offset])
             full = dec(self.ids[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -39,7 +44,7 @@ class IncrementalDetokenizer:
                 self.text += full[len(prefix):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
-                if self.stop and self._check_stop(start):
+                if self.stop and self.num_out >= self.min_tokens and self._check_stop(start):
                     return True
         return False
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,6 +40,23 @@ class EngineArgs:
     watermark: float = 0.0
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        # Checked here, before any work, so each error names the argument the user gave.
+        for name in ("block_size", "max_num_seqs"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("num_threads", "kv_cache_memory", "num_blocks", "max_num_batched_tokens",
+                     "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        _check_int("seed", self.seed, 0)
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path, got {type(self.model).__name__}")
+
+
+def _check_int(name: str, v, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
 
 @dataclass(slots=True)
 class _State:
@@ -54,8 +72,6 @@ class LLMEngine:
         if args.device not in ("cpu", "auto"):
             raise ValueError(f"device {args.device!r} is not supported by this build (cpu only)")
         if args.num_threads is not None:
-            if not isinstance(args.num_threads, int) or args.num_threads < 1:
-                raise ValueError(f"num_threads must be an int >= 1, got {args.num_threads!r}")
             torch.set_num_threads(args.num_threads)
         ckpt = open_checkpoint(args.model)
         cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len)
@@ -113,14 +129,17 @@ class LLMEngine:
                       arrival_time=arrival_time, priority=priority)
         self.scheduler.add_request(req)
         self.states[request_id] = _State(text, ids, IncrementalDetokenizer(
-            self.tokenizer, ids, sp.stop), req)
+            self.tokenizer, ids, sp.stop, sp.min_tokens), req)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, "
+                                     f"got {type(ids).__name__}")
                 text = prompt.get("prompt")
-                return (text if isinstance(text, str) else None,
-                        self._tokenize(prompt["prompt_token_ids"])[1])
+                return text if isinstance(text, str) else None, self._tokenize(ids)[1]
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
