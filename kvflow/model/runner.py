@@ -101,7 +101,9 @@ class ModelRunner:
                             self.backend, meta, torch.tensor(logits_rows, dtype=torch.long))
         if not sample_reqs:
             return {}
-        logits = self.model.compute_logits(hidden).float()
+        # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
+        # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
+        logits = self.model.compute_logits(hidden)
         tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
                               [self._generator(r) for r in sample_reqs])
         return {r.request_id: [t] for r, t in zip(sample_reqs, tokens)}

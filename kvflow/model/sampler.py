@@ -17,10 +17,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
-        """logits [N, V] float32 -> one token id per row."""
+        """logits [N, V] (any float dtype) -> one token id per row."""
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
+        logits = logits.float()
         n = logits.shape[0]
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                              dtype=logits.dtype)
