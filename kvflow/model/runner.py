@@ -21,6 +21,17 @@ def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
     return n
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Zeroed KV memory. Zeros, not garbage: a NaN in an unused slot would survive the attention
+    mask (NaN + -inf). On CPU, numpy's calloc maps zero pages lazily, so gigabytes cost nothing
+    until touched (torch.zeros writes them all, ~0.4 s per GiB)."""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    raw = {1: np.uint8, 2: np.int16, 4: np.int32}[dtype.itemsize]
+    return torch.from_numpy(np.zeros(shape, dtype=raw)).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend | None = None,
@@ -29,8 +40,8 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.backend = backend or TorchAttentionBackend()
         # One allocation for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=device)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = _zeros(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
