@@ -37,7 +37,7 @@ def scheduler_config(policy: str, **fields) -> SchedulerConfig:
         # nano-vllm: no chunking, a budget large enough for any prompt (its default is 16384 and
         # it requires max_model_len <= max_num_batched_tokens), no watermark.
         base.update(enable_chunked_prefill=False, watermark=0.0)
-        mml = fields.get("max_model_len", SchedulerConfig.max_model_len)
+        mml = fields.get("max_model_len") or SchedulerConfig().max_model_len
         if fields.get("max_num_batched_tokens") is None:
             fields["max_num_batched_tokens"] = max(16384, mml)
     base.update({k: v for k, v in fields.items() if v is not None})

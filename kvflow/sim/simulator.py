@@ -20,7 +20,7 @@ from kvflow import SamplingParams
 from kvflow.core import Request, SchedulerConfig
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.policies import make_driver
-from kvflow.sim.workload import Workload
+from kvflow.sim.workload import Workload, clip_to_model_len
 
 # Any id works: requests stop by max_tokens (the trace's output length) and ignore EOS.
 SAMPLED_TOKEN = 7
@@ -66,11 +66,13 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
              include_scheduler_time: bool = False, progress: bool = False,
              step_hook: Callable | None = None, max_steps: int | None = None) -> SimResult:
     """Replay `wl` through a Scheduler(config) driven as `policy`; see the module docstring.
+    Requests longer than config.max_model_len are shortened first (counted in num_clipped).
 
     step_hook(driver, scheduler_output, engine_outputs, t_start, t_end) is called after each
     step (the HTML step viewer records its frames this way). max_steps stops early.
     """
     wall0 = time.perf_counter()
+    wl = clip_to_model_len(wl, config.max_model_len)
     driver = make_driver(policy, config)
     sched = driver.scheduler
     requests = sched.requests
