@@ -22,15 +22,14 @@ from kvflow.sim import CostModel, get_gpu, get_model, load_trace
 from kvflow.sim.hardware import num_gpu_blocks
 from kvflow.sim.plots import plot_capacity, plot_frontier
 from kvflow.sim.runner import default_slo_s
-from kvflow.sim.sweeps import SweepSetup, Variant, find_capacity, frontier
+from kvflow.sim.sweeps import NANO, SweepSetup, Variant, find_capacity, frontier
 
 VARIANTS = [
     Variant("vllm (budget 512)", "vllm", {"max_num_batched_tokens": 512}),
     Variant("vllm (budget 2048)", "vllm", {"max_num_batched_tokens": 2048}),
     Variant("vllm (budget 8192)", "vllm", {"max_num_batched_tokens": 8192}),
     Variant("priority (budget 2048)", "priority", {"max_num_batched_tokens": 2048}),
-    Variant("nano (no chunking)", "nano", {"max_num_batched_tokens": None,
-                                           "enable_chunked_prefill": None}),
+    NANO,
     Variant("static", "static", {"max_num_batched_tokens": 8192}),
 ]
 
@@ -81,8 +80,8 @@ def main() -> None:
     by = {(r["slo"].split()[0], r["label"]): r["capacity_qps"] for r in rows}
     rate = a.frontier_rate or 0.8 * by.get(("strict", "vllm (budget 2048)"), 10.0)
     t1 = time.perf_counter()
-    pts = frontier(setup, rate, [128, 256, 512, 1024, 2048, 4096, 8192], [128, 256, 512, 1024])
-    nano = setup.run(VARIANTS[4], rate)
+    pts = frontier(setup, rate, [256, 512, 1024, 2048, 4096, 8192], [128, 256, 512, 1024])
+    nano = setup.run(NANO, rate)
     plot_frontier(pts, out / "frontier_llama3_8b_h100.png",
                   f"TTFT vs ITL frontier (simulated): {shape.name} on {gpu.name}, Azure conv "
                   f"lengths, Poisson {rate:.1f} req/s", extra=[nano])

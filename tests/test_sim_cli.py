@@ -31,7 +31,8 @@ def test_simulate_writes_summary_plots_and_step_viewer(tmp_path, capsys):
     assert s["scheduler_config"]["max_num_batched_tokens"] == 2048
     assert {p["label"] for p in s["frontier"]} == {"budget=512", "budget=2048", "threshold=256",
                                                    "nano (no chunking)"}
-    assert [r["label"] for r in s["capacity"]["results"]] == ["vllm (budget 2048)", "nano"]
+    assert [r["label"] for r in s["capacity"]["results"]] == ["vllm (budget 2048)",
+                                                         "nano (no chunking)"]
     assert all(len(r["trials"]) == 3 for r in s["capacity"]["results"])
     for png in ("timeline.png", "frontier.png", "capacity.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvflow.sim.cost_model import CostConstants, CostModel
+from kvflow.sim.cost_model import CostConstants, CostModel, step_totals
 from kvflow.sim.hardware import GPUSpec, ModelShape
 
 
@@ -67,16 +67,7 @@ def _features(shape: ModelShape, gpu: GPUSpec, samples: list[StepSample]) -> dic
     unit = CostModel(shape, gpu, CostConstants(1.0, 1.0, 0.0, 0.0))
     rows = []
     for s in samples:
-        nreq = len(s.reqs)
-        tok = dec = dctx = pairs = pkv = 0
-        for n, c in s.reqs:
-            tok += n
-            if n == 1:
-                dec += 1
-                dctx += c
-            else:
-                pairs += n * (c - n) + n * (n + 1) // 2
-                pkv += c + n
+        nreq, tok, dec, dctx, pairs, pkv = step_totals(s.reqs)
         rows.append((nreq, tok * unit.t_token + nreq * unit.t_lm_head, unit.t_weights,
                      dctx * unit.t_pair, (dctx + dec) * unit.t_kv,
                      pairs * unit.t_pair, pkv * unit.t_kv))
@@ -157,10 +148,4 @@ def fit(shape: ModelShape, gpu: GPUSpec, samples: list[StepSample]) -> Calibrati
 
 def predict(cost: CostModel, sample: StepSample) -> float:
     """The cost model's time for a measured step (a convenience for reports and tests)."""
-    nreq = len(sample.reqs)
-    tok = sum(n for n, _ in sample.reqs)
-    dec = [c for n, c in sample.reqs if n == 1]
-    pre = [(n, c) for n, c in sample.reqs if n != 1]
-    return cost.time_from_totals(nreq, tok, len(dec), sum(dec),
-                                 sum(n * (c - n) + n * (n + 1) // 2 for n, c in pre),
-                                 sum(c + n for n, c in pre))
+    return cost.time_from_totals(*step_totals(sample.reqs))

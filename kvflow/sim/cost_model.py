@@ -55,6 +55,24 @@ class CostConstants:
             raise ValueError("overheads must be >= 0")
 
 
+def step_totals(reqs) -> tuple[int, int, int, int, int, int]:
+    """Sum a step's (new tokens, context length after the step) per request into what the
+    roofline needs: (requests, tokens, decodes, decode context, prefill (query, key) pairs,
+    prefill KV tokens read + written)."""
+    nreq = ntok = ndec = dctx = pairs = pkv = 0
+    for n, c in reqs:
+        nreq += 1
+        ntok += n
+        if n == 1:
+            ndec += 1
+            dctx += c
+        else:
+            # Query i of the chunk (0-based) sees the c - n earlier tokens and i + 1 of its own.
+            pairs += n * (c - n) + (n * (n + 1) >> 1)
+            pkv += c + n
+    return nreq, ntok, ndec, dctx, pairs, pkv
+
+
 class CostModel:
     """Predicts step durations for one model shape on one GPU. Per step: O(batch) integer sums,
     then a handful of float operations."""
@@ -83,21 +101,10 @@ class CostModel:
         pad_decodes / pad_context: decode slots that run without producing anything useful
         (static batching's finished-but-padded sequences) and their summed context length.
         """
-        n_dec = pad_decodes
-        dec_ctx = pad_context
-        n_pre_tok = pairs = pre_kv = 0
-        for rid, n in num_scheduled.items():
-            c = requests[rid].num_computed_tokens
-            if n == 1:
-                n_dec += 1
-                dec_ctx += c
-            else:
-                n_pre_tok += n
-                # Query i of the chunk (0-based) sees the c - n earlier tokens and i + 1 of its own.
-                pairs += n * (c - n) + (n * (n + 1) >> 1)
-                pre_kv += c + n
-        return self.time_from_totals(len(num_scheduled) + pad_decodes, n_pre_tok + n_dec,
-                                     n_dec, dec_ctx, pairs, pre_kv)
+        nreq, ntok, ndec, dctx, pairs, pkv = step_totals(
+            (n, requests[rid].num_computed_tokens) for rid, n in num_scheduled.items())
+        return self.time_from_totals(nreq + pad_decodes, ntok + pad_decodes, ndec + pad_decodes,
+                                     dctx + pad_context, pairs, pkv)
 
     def time_from_totals(self, num_reqs: int, num_tokens: int, num_decodes: int,
                          decode_context: int, prefill_pairs: int, prefill_kv_tokens: int) -> float:

@@ -15,6 +15,11 @@ from kvflow.sim.simulator import SimResult  # noqa: E402
 MAX_POINTS = 4000   # a full-trace replay has ~400k steps; plot per-bin maxima instead
 
 
+def _wrap(title: str, width: int = 80) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(title, width))
+
+
 def _binned(t: np.ndarray, ys: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
     if len(t) <= MAX_POINTS:
         return t, ys
@@ -27,14 +32,14 @@ def plot_timeline(r: SimResult, path: str | Path, title: str = "") -> None:
     t, (kv, run, wait, tok) = _binned(s["t"], [s["kv_usage"], s["running"], s["waiting"],
                                               s["tokens"]])
     fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    axes[0].plot(t, 100 * kv, color="tab:purple", lw=0.8)
+    axes[0].plot(t, 100 * kv, color="tab:purple", lw=0.8, drawstyle="steps-post")
     axes[0].set_ylabel("KV cache used (%)")
     axes[0].set_ylim(0, 105)
-    axes[1].plot(t, run, label="running", lw=0.8)
-    axes[1].plot(t, wait, label="waiting", lw=0.8)
+    axes[1].plot(t, run, label="running", lw=0.8, drawstyle="steps-post")
+    axes[1].plot(t, wait, label="waiting", lw=0.8, drawstyle="steps-post")
     axes[1].set_ylabel("requests")
     axes[1].legend(loc="upper right")
-    axes[2].plot(t, tok, color="tab:green", lw=0.8)
+    axes[2].plot(t, tok, color="tab:green", lw=0.8, drawstyle="steps-post")
     axes[2].set_ylabel("tokens per step")
     axes[2].set_xlabel("simulated time (s)")
     binned = " (per-bin maxima)" if len(s["t"]) > MAX_POINTS else ""
@@ -67,7 +72,7 @@ def plot_frontier(points: list[dict], path: str | Path, title: str = "",
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title or "TTFT vs ITL frontier (simulated)", fontsize=10)
+    ax.set_title(_wrap(title or "TTFT vs ITL frontier (simulated)"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -75,7 +80,7 @@ def plot_frontier(points: list[dict], path: str | Path, title: str = "",
 
 def plot_capacity(rows: list[dict], path: str | Path, title: str = "") -> None:
     """rows: {"label", "capacity_qps"}, optionally one group per SLO via "slo"."""
-    slos = sorted({r.get("slo", "") for r in rows}, key=str)
+    slos = list(dict.fromkeys(r.get("slo", "") for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels) * max(1, len(slos))), 4.5))
     width = 0.8 / max(1, len(slos))
@@ -92,7 +97,7 @@ def plot_capacity(rows: list[dict], path: str | Path, title: str = "") -> None:
     ax.set_ylabel("capacity (req/s within SLO)")
     if any(s != "" for s in slos):
         ax.legend(fontsize=8)
-    ax.set_title(title or "Serving capacity (simulated)", fontsize=10)
+    ax.set_title(_wrap(title or "Serving capacity (simulated)"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -12,7 +12,7 @@ from kvflow.sim.html_view import GRID_MAX_BLOCKS, StepRecorder, write_html
 from kvflow.sim.metrics import format_summary, summarize
 from kvflow.sim.policies import scheduler_config
 from kvflow.sim.simulator import simulate
-from kvflow.sim.sweeps import SweepSetup, Variant, find_capacity, frontier
+from kvflow.sim.sweeps import NANO, SweepSetup, Variant, find_capacity, frontier
 from kvflow.sim.workload import (SCENARIOS, Workload, clip_to_model_len, load_trace, synthetic,
                                  with_arrivals, with_priorities, with_shared_prefix)
 
@@ -67,9 +67,8 @@ def sched_fields(args, shape: ModelShape, gpu: GPUSpec) -> dict:
 def capacity_variants(args) -> list[Variant]:
     out = []
     for p in args.capacity_policies:
-        if p == "nano":     # its own budget (whole prompts) and no chunking, whatever the flags
-            out.append(Variant("nano", "nano", {"max_num_batched_tokens": None,
-                                                "enable_chunked_prefill": None}))
+        if p == "nano":
+            out.append(NANO)
         else:
             b = args.max_num_batched_tokens or DEFAULT_BUDGET
             out.append(Variant(f"{p} (budget {b})" if p in ("vllm", "priority") else p, p))
@@ -120,9 +119,7 @@ def run(args, shape: ModelShape, gpu: GPUSpec, cost: CostModel, out: Path) -> di
         budgets, thresholds = args.frontier_budgets, args.frontier_thresholds
         with _bar(progress, len(budgets) + len(thresholds), "frontier") as bar:
             pts = frontier(setup, rate, budgets, thresholds, on_point=lambda p: bar.update())
-        nano = setup.run(Variant("nano (no chunking)", "nano",
-                                 {"max_num_batched_tokens": None,
-                                  "enable_chunked_prefill": None}), rate)
+        nano = setup.run(NANO, rate)
         P.plot_frontier(pts, out / "frontier.png",
                         f"TTFT vs ITL, {shape.name} on {gpu.name}, {base.name} at {rate:.2f} "
                         f"req/s (simulated)", extra=[nano])

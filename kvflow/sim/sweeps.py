@@ -26,6 +26,12 @@ class Variant:
     overrides: dict = field(default_factory=dict)
 
 
+# nano-vllm style with its own defaults whatever the shared flags say: a budget that fits any
+# prompt whole, and no chunking.
+NANO = Variant("nano (no chunking)", "nano", {"max_num_batched_tokens": None,
+                                              "enable_chunked_prefill": None})
+
+
 @dataclass(slots=True)
 class SweepSetup:
     workload: Workload          # lengths (and priorities); arrivals are replaced per trial
