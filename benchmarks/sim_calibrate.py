@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kvflow.sim import CostModel, get_model, scheduler_config, simulate
 from kvflow.sim.calibrate import StepSample, fit
-from kvflow.sim.hardware import GPUSpec, get_gpu
+from kvflow.sim.hardware import GPUSpec
 from kvflow.sim.workload import synthetic, with_arrivals
 
 
@@ -106,9 +106,11 @@ class RandomTransformer:
 
 
 def steps_from_a_replay(shape, n_steps: int, seed: int) -> list[list[tuple[int, int]]]:
-    """(new tokens, context after) per request for steps the real scheduler produced."""
-    wl = with_arrivals(synthetic(160, 192, 96, "lognormal", seed), "poisson", 40.0, seed)
-    cfg = scheduler_config("vllm", max_num_batched_tokens=384, num_blocks=4096, max_model_len=2048)
+    """(new tokens, context after) per request for steps the real scheduler produced: half of
+    them with a prefill chunk in, half pure decode, batch sizes from 1 to max_num_seqs."""
+    wl = with_arrivals(synthetic(240, 192, 96, "lognormal", seed), "poisson", 60.0, seed)
+    cfg = scheduler_config("vllm", max_num_batched_tokens=384, num_blocks=4096, max_model_len=2048,
+                           max_num_seqs=48)
     seen: list[list[tuple[int, int]]] = []
 
     # Contexts must be read before update_from_output frees finished requests, which is when
@@ -118,10 +120,16 @@ def steps_from_a_replay(shape, n_steps: int, seed: int) -> list[list[tuple[int, 
             seen.append([(n, requests[rid].num_computed_tokens) for rid, n in num_scheduled.items()])
             return super().step_time(num_scheduled, requests, pad_decodes, pad_context)
 
-    simulate(wl, Recorder(shape, get_gpu("a100")), cfg)
+    # A slow device (SmolLM2 on a CPU-like roofline) so that requests pile up into big batches.
+    simulate(wl, Recorder(shape, GPUSpec("slow", 2e12, 50e9, 0, "")), cfg)
     rng = np.random.default_rng(seed)
-    picks = rng.choice(len(seen), size=min(n_steps, len(seen)), replace=False)
-    return [seen[i] for i in sorted(picks)]
+    mixed = [s for s in seen if any(n > 1 for n, _ in s)]
+    decode = [s for s in seen if all(n == 1 for n, _ in s)]
+    k = min(n_steps // 2, len(mixed))
+    picks = [mixed[i] for i in rng.choice(len(mixed), k, replace=False)]
+    picks += [decode[i] for i in rng.choice(len(decode), min(n_steps - k, len(decode)),
+                                            replace=False)]
+    return [picks[i] for i in rng.permutation(len(picks))]
 
 
 def main() -> None:

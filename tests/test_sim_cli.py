@@ -76,3 +76,16 @@ def test_simulate_mounts_as_a_subcommand():
 def test_bad_input_is_an_error_message_not_a_traceback(tmp_path, capsys):
     assert main(["--output", str(tmp_path), "--no-progress"]) == 2
     assert "give a workload" in capsys.readouterr().err
+
+
+def test_the_simulator_does_not_import_torch():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).parent.parent)
+    code = ("import sys, kvflow.sim.cli, kvflow.sim.runner, kvflow.sim.plots, "
+            "kvflow.sim.calibrate; assert 'torch' not in sys.modules, 'torch imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert res.returncode == 0, res.stderr

@@ -129,3 +129,13 @@ def test_priority_serves_short_prompts_first_under_load():
         res[policy] = request_metrics(r)["queue"]
     assert np.median(res["priority"][short]) < np.median(res["vllm"][short])
     assert np.median(res["priority"][~short]) > np.median(res["vllm"][~short])
+
+
+def test_measured_scheduler_time_is_optional_and_only_changes_the_clock():
+    wl = synthetic(30, 300, 20, "uniform", seed=10)
+    cfg = scheduler_config("vllm", num_blocks=2000)
+    fixed = simulate(wl, CM, cfg)
+    measured = simulate(wl, CM, cfg, include_scheduler_time=True)
+    assert (measured.num_output == fixed.num_output).all()
+    assert measured.num_steps == fixed.num_steps            # same decisions, other timestamps
+    assert measured.sim_time != fixed.sim_time
