@@ -43,7 +43,8 @@ def measure_peaks(device: str, dtype: torch.dtype) -> tuple[float, float]:
         return min(ts)
 
     n = 2048
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     flops = 2 * n**3 / best(lambda: a @ b)
     x = torch.empty(64 << 20, device=device, dtype=torch.float32)      # 256 MiB
     y = torch.empty_like(x)
@@ -63,7 +64,8 @@ class RandomTransformer:
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         g = lambda *d: torch.randn(*d, device=device, dtype=dtype) * 0.02    # noqa: E731
         self.layers = [(g(s.hidden_size, q + 2 * kv), g(q, s.hidden_size),
-                        g(s.hidden_size, 2 * s.intermediate_size), g(s.intermediate_size, s.hidden_size))
+                        g(s.hidden_size, 2 * s.intermediate_size),
+                        g(s.intermediate_size, s.hidden_size))
                        for _ in range(s.num_layers)]
         self.lm_head = g(s.hidden_size, s.vocab_size)
         # One K/V pool shared by all layers: each request reads its own slice of it, so the bytes
@@ -117,7 +119,8 @@ def steps_from_a_replay(shape, n_steps: int, seed: int) -> list[list[tuple[int, 
     # the simulator asks the cost model: record them there.
     class Recorder(CostModel):
         def step_time(self, num_scheduled, requests, pad_decodes=0, pad_context=0):
-            seen.append([(n, requests[rid].num_computed_tokens) for rid, n in num_scheduled.items()])
+            seen.append([(n, requests[rid].num_computed_tokens)
+                         for rid, n in num_scheduled.items()])
             return super().step_time(num_scheduled, requests, pad_decodes, pad_context)
 
     # A slow device (SmolLM2 on a CPU-like roofline) so that requests pile up into big batches.
@@ -133,7 +136,8 @@ def steps_from_a_replay(shape, n_steps: int, seed: int) -> list[list[tuple[int, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM2-135M")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--repeats", type=int, default=3, help="time each step this often, keep the min")

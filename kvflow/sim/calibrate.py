@@ -79,7 +79,8 @@ def _features(shape: ModelShape, gpu: GPUSpec, samples: list[StepSample]) -> dic
 def _roofline(f: dict[str, np.ndarray], mfu: np.ndarray, mbu: np.ndarray) -> np.ndarray:
     """Kernel time for every (mfu, mbu) pair (rows) and sample (columns)."""
     cf, cm = (1.0 / mfu)[:, None], (1.0 / mbu)[:, None]
-    return (np.maximum(f["lin_c"] * cf, f["lin_m"] * cm) + np.maximum(f["dec_c"] * cf, f["dec_m"] * cm)
+    return (np.maximum(f["lin_c"] * cf, f["lin_m"] * cm)
+            + np.maximum(f["dec_c"] * cf, f["dec_m"] * cm)
             + np.maximum(f["pre_c"] * cf, f["pre_m"] * cm))
 
 

@@ -64,7 +64,8 @@ class ModelShape:
 
     @property
     def params_per_layer(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k, v, o projections + gate, up, down; norms and biases are < 0.1% and left out.
         return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
 
@@ -118,7 +119,8 @@ class ModelShape:
 
 
 def _shape(name, h, layers, heads, kv, inter, vocab, tied, max_len, head_dim=None) -> ModelShape:
-    return ModelShape(name, h, layers, heads, kv, head_dim or h // heads, inter, vocab, tied, max_len)
+    return ModelShape(name, h, layers, heads, kv, head_dim or h // heads, inter, vocab, tied,
+                      max_len)
 
 
 # Every number below is copied from the model's config.json on the Hugging Face Hub.

@@ -31,7 +31,8 @@ class StepRecorder:
         sampled = {o.request_id for o in outs}
         for rid in so.scheduled_new_req_ids:
             r = s.requests.get(rid)
-            hit = f", {r.num_cached_tokens} from the prefix cache" if r and r.num_cached_tokens else ""
+            cached = r.num_cached_tokens if r is not None else 0
+            hit = f", {cached} from the prefix cache" if cached else ""
             ev.append(["admit", f"{rid} admitted: {so.num_scheduled_tokens[rid]} tokens this "
                                 f"step{hit}"])
         for rid in so.scheduled_resumed_req_ids:
@@ -80,7 +81,8 @@ class StepRecorder:
         wait += [{"id": r.request_id, "tokens": r.num_tokens, "prompt": r.num_prompt_tokens,
                   "preempted": False, "held": True, "prio": r.priority} for r in waiting]
         pool = kvm.block_pool
-        cached_free = ([b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        cached_free = ([b.block_id for b in pool.blocks
+                        if b.ref_cnt == 0 and b.block_hash is not None]
                        if pool.num_blocks <= GRID_MAX_BLOCKS else [])
         self.frames.append({
             "step": len(self.frames) + 1, "t0": t0, "t1": t1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,7 +45,6 @@ class SimResult:
     sim_time: float                 # simulated clock at the end
     wall_time: float                # seconds this replay took on the host
     num_clipped: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -64,12 +63,12 @@ def _make_request(wl: Workload, i: int, sp_cache: dict[int, SamplingParams]) -> 
 
 def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str = "vllm", *,
              include_scheduler_time: bool = False, progress: bool = False,
-             step_hook: Callable | None = None, max_steps: int | None = None) -> SimResult:
+             step_hook: Callable | None = None) -> SimResult:
     """Replay `wl` through a Scheduler(config) driven as `policy`; see the module docstring.
     Requests longer than config.max_model_len are shortened first (counted in num_clipped).
 
     step_hook(driver, scheduler_output, engine_outputs, t_start, t_end) is called after each
-    step (the HTML step viewer records its frames this way). max_steps stops early.
+    step (the HTML step viewer records its frames this way).
     """
     wall0 = time.perf_counter()
     wl = clip_to_model_len(wl, config.max_model_len)
@@ -86,8 +85,8 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
     preempts = [0] * n
     itl = array("d")
     st = {k: array("d") for k in STEP_FIELDS}
-    st_t, st_dt, st_tok, st_pre, st_reqs = st["t"], st["dt"], st["tokens"], st["prefill_tokens"], st["reqs"]
-    st_kv, st_run, st_wait = st["kv_usage"], st["running"], st["waiting"]
+    st_t, st_dt, st_tok, st_pre = st["t"], st["dt"], st["tokens"], st["prefill_tokens"]
+    st_reqs, st_kv, st_run, st_wait = st["reqs"], st["kv_usage"], st["running"], st["waiting"]
     index: dict[str, int] = {}
     sp_cache: dict[int, SamplingParams] = {}
     one = [SAMPLED_TOKEN]
@@ -100,7 +99,6 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
     t = 0.0
     nxt = 0
     host = 0.0          # measured host time of the previous update_from_output, if included
-    steps = 0
     while True:
         while nxt < n and arrivals[nxt] <= t:
             r = _make_request(wl, nxt, sp_cache)
@@ -112,8 +110,6 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
                 break
             t = arrivals[nxt]
             continue
-        if max_steps is not None and steps >= max_steps:
-            break
         if include_scheduler_time:
             h0 = time.perf_counter()
             so = driver.schedule()
@@ -166,7 +162,6 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
                 done += 1
         if step_hook is not None:
             step_hook(driver, so, outs, t0, t)
-        steps += 1
         if pbar is not None and done:
             pbar.update(done)
     if pbar is not None:
