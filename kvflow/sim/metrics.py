@@ -13,7 +13,7 @@ import numpy as np
 
 from kvflow.sim.simulator import SimResult
 
-PERCENTILES = (50, 99)
+MAX_BACKLOG = 0.05      # capacity guard, see meets_slo
 
 
 def _stats(prefix: str, x: np.ndarray, scale: float = 1e3) -> dict[str, float]:
@@ -84,7 +84,7 @@ def summarize(r: SimResult) -> dict:
 
 
 def meets_slo(summary: dict, p99_itl_s: float, median_queue_s: float = 2.0,
-              max_backlog: float = 0.05) -> bool:
+              max_backlog: float = MAX_BACKLOG) -> bool:
     """Sarathi-Serve's capacity criterion: P99 TBT within the SLO and median scheduling delay at
     most 2 s. Plus one guard of ours, because a trial has a finite number of requests: the
     server must keep up, i.e. when the last request arrives at most `max_backlog` of them are

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.hardware import GPUSpec, ModelShape, num_gpu_blocks
 from kvflow.sim.html_view import GRID_MAX_BLOCKS, StepRecorder, write_html
-from kvflow.sim.metrics import format_summary, summarize
+from kvflow.sim.metrics import MAX_BACKLOG, format_summary, summarize
 from kvflow.sim.policies import scheduler_config
 from kvflow.sim.simulator import simulate
 from kvflow.sim.sweeps import NANO, SweepSetup, Variant, find_capacity, frontier
@@ -140,6 +140,7 @@ def run(args, shape: ModelShape, gpu: GPUSpec, cost: CostModel, out: Path) -> di
                                     for tr in trials]})
         summary["capacity"] = {"slo_p99_itl_ms": slo * 1e3,
                                "max_median_queue_s": args.max_median_queue_s,
+                               "max_backlog_at_last_arrival": MAX_BACKLOG,
                                "requests_per_trial": setup.num_requests,
                                "arrival": setup.arrival, "results": rows}
         P.plot_capacity(rows, out / "capacity.png",

@@ -2,9 +2,10 @@
 frontier across token budgets and long-prefill thresholds.
 
 Capacity follows Sarathi-Serve: the highest request rate (Poisson arrivals) at which P99 TBT
-stays within the SLO and the median scheduling delay stays within 2 s. The same requests (the
-first `num_requests` of the workload, same seed) are replayed at every rate, so only the rate
-changes between trials.
+stays within the SLO and the median scheduling delay stays within 2 s, plus a guard for finite
+trials (metrics.meets_slo: the server must keep up with arrivals). The same requests (the first
+`num_requests` of the workload, same seed) are replayed at every rate, so only the rate changes
+between trials.
 """
 from __future__ import annotations
 
