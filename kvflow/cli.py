@@ -1,4 +1,4 @@
-"""`kvflow generate`, `kvflow chat` (and the other subcommands as they land)."""
+"""`kvflow generate`, `kvflow chat`, `kvflow simulate`."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
+    from kvflow.sim.cli import add_simulate_parser     # torch-free; cheap to import
+    add_simulate_parser(sub)
     return parser
 
 

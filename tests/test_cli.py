@@ -111,3 +111,11 @@ def test_parser_maps_flags_to_engine_args():
     assert set(kw) <= set(EngineArgs.__dataclass_fields__)
     assert kw["enable_prefix_caching"] is False and kw["block_size"] == 8
     assert kw["policy"] == "priority" and kw["enable_chunked_prefill"] is True
+
+
+def test_simulate_subcommand_is_mounted(tmp_path):
+    import json
+    assert main(["simulate", "--scenario", "long-short", "--model", "Llama-3-8B", "--gpu",
+                 "h100", "--policy", "vllm", "--plots", "", "--output", str(tmp_path)]) in (0, None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary

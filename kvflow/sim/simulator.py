@@ -1,0 +1,176 @@
+"""The discrete-event loop: the real Scheduler, a cost model for a clock, fake sampled tokens.
+
+Each step: requests that have arrived by now join (through the policy's driver), schedule()
+plans the step, the cost model says how long the GPU would take, the clock moves on by that
+much, and update_from_output() receives one sampled token per request, stamped with the step's
+end time. When nothing is left to run the clock jumps to the next arrival, so idle time costs
+nothing to simulate. With include_scheduler_time off (the default) the clock depends only on the
+workload, the config and the cost model: replays are bit-for-bit repeatable.
+"""
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow import SamplingParams
+from kvflow.core import Request, SchedulerConfig
+from kvflow.sim.cost_model import CostModel
+from kvflow.sim.policies import make_driver
+from kvflow.sim.workload import Workload, clip_to_model_len
+
+# Any id works: requests stop by max_tokens (the trace's output length) and ignore EOS.
+SAMPLED_TOKEN = 7
+STEP_FIELDS = ("t", "dt", "tokens", "prefill_tokens", "reqs", "kv_usage", "running", "waiting")
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    workload: str
+    config: SchedulerConfig
+    arrival: np.ndarray
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    first_scheduled: np.ndarray     # NaN where never scheduled
+    first_token: np.ndarray
+    finish: np.ndarray
+    num_output: np.ndarray          # tokens actually produced
+    preemptions: np.ndarray
+    itl: np.ndarray                 # every gap between two consecutive tokens of a request
+    steps: dict[str, np.ndarray]    # per step, STEP_FIELDS
+    sim_time: float                 # simulated clock at the end
+    wall_time: float                # seconds this replay took on the host
+    num_clipped: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps["t"])
+
+
+def _make_request(wl: Workload, i: int, sp_cache: dict[int, SamplingParams]) -> Request:
+    n_out = int(wl.output_lens[i])
+    sp = sp_cache.get(n_out)
+    if sp is None:
+        sp = sp_cache[n_out] = SamplingParams(max_tokens=n_out, ignore_eos=True)
+    prio = 0 if wl.priorities is None else int(wl.priorities[i])
+    return Request(f"r{i}", wl.prompt_ids(i, int(wl.prompt_lens[i])), sp,
+                   arrival_time=float(wl.arrivals[i]), priority=prio)
+
+
+def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str = "vllm", *,
+             include_scheduler_time: bool = False, progress: bool = False,
+             step_hook: Callable | None = None) -> SimResult:
+    """Replay `wl` through a Scheduler(config) driven as `policy`; see the module docstring.
+    Requests longer than config.max_model_len are shortened first (counted in num_clipped).
+
+    step_hook(driver, scheduler_output, engine_outputs, t_start, t_end) is called after each
+    step (the HTML step viewer records its frames this way).
+    """
+    wall0 = time.perf_counter()
+    wl = clip_to_model_len(wl, config.max_model_len)
+    driver = make_driver(policy, config)
+    sched = driver.scheduler
+    requests = sched.requests
+    kvm = sched.kv_cache_manager
+    n = len(wl)
+    arrivals = wl.arrivals.tolist()
+    nan = float("nan")
+    first_sched, first_tok, finish = [nan] * n, [nan] * n, [nan] * n
+    last_tok = [-1.0] * n
+    n_out = [0] * n
+    preempts = [0] * n
+    itl = array("d")
+    st = {k: array("d") for k in STEP_FIELDS}
+    st_t, st_dt, st_tok, st_pre = st["t"], st["dt"], st["tokens"], st["prefill_tokens"]
+    st_reqs, st_kv, st_run, st_wait = st["reqs"], st["kv_usage"], st["running"], st["waiting"]
+    index: dict[str, int] = {}
+    sp_cache: dict[int, SamplingParams] = {}
+    one = [SAMPLED_TOKEN]
+    step_time = cost.step_time
+    pbar = None
+    if progress:
+        from tqdm import tqdm
+        pbar = tqdm(total=n, unit="req", desc=f"simulate {policy}", mininterval=0.5)
+
+    t = 0.0
+    nxt = 0
+    host = 0.0          # measured host time of the previous update_from_output, if included
+    while True:
+        while nxt < n and arrivals[nxt] <= t:
+            r = _make_request(wl, nxt, sp_cache)
+            index[r.request_id] = nxt
+            driver.add(r)
+            nxt += 1
+        if not driver.has_work():
+            if nxt >= n:
+                break
+            t = arrivals[nxt]
+            continue
+        if include_scheduler_time:
+            h0 = time.perf_counter()
+            so = driver.schedule()
+            host += time.perf_counter() - h0
+        else:
+            so = driver.schedule()
+        num_sched = so.num_scheduled_tokens
+        if not num_sched:
+            if nxt < n:             # nothing fits until more work arrives (or the batch drains)
+                t = max(t, arrivals[nxt])
+                continue
+            raise RuntimeError(f"no progress at t={t:.3f}s: {len(sched.waiting)} waiting "
+                               f"requests can never be admitted ({sched.config})")
+        pad_n, pad_ctx = driver.padding()
+        dt = step_time(num_sched, requests, pad_n, pad_ctx) + host
+        host = 0.0
+        t0 = t
+        t += dt
+        for rid in so.scheduled_new_req_ids:
+            first_sched[index[rid]] = t0
+        if so.preempted_req_ids:
+            for rid in so.preempted_req_ids:
+                preempts[index[rid]] += 1
+        st_t.append(t0)
+        st_dt.append(dt)
+        st_tok.append(so.total_num_scheduled_tokens)
+        st_reqs.append(len(num_sched))
+        st_pre.append(so.total_num_scheduled_tokens - [*num_sched.values()].count(1))
+        st_kv.append(kvm.usage)
+        st_run.append(len(sched.running))
+        st_wait.append(driver.num_waiting())
+
+        if include_scheduler_time:
+            h0 = time.perf_counter()
+        outs = sched.update_from_output(so, dict.fromkeys(num_sched, one))
+        if include_scheduler_time:
+            host = time.perf_counter() - h0
+        done = 0
+        for o in outs:
+            i = index[o.request_id]
+            last = last_tok[i]
+            if last < 0:
+                first_tok[i] = t
+            else:
+                itl.append(t - last)
+            last_tok[i] = t
+            n_out[i] += 1
+            if o.finished:
+                finish[i] = t
+                done += 1
+        if step_hook is not None:
+            step_hook(driver, so, outs, t0, t)
+        if pbar is not None and done:
+            pbar.update(done)
+    if pbar is not None:
+        pbar.close()
+    return SimResult(
+        policy=policy, workload=wl.name, config=config, arrival=wl.arrivals.copy(),
+        prompt_lens=wl.prompt_lens.copy(), output_lens=wl.output_lens.copy(),
+        first_scheduled=np.array(first_sched), first_token=np.array(first_tok),
+        finish=np.array(finish), num_output=np.array(n_out, dtype=np.int64),
+        preemptions=np.array(preempts, dtype=np.int64), itl=np.frombuffer(itl, dtype=np.float64),
+        steps={k: np.frombuffer(v, dtype=np.float64) for k, v in st.items()},
+        sim_time=t, wall_time=time.perf_counter() - wall0, num_clipped=wl.num_clipped)
