@@ -33,13 +33,14 @@ class Attention(nn.Module):
     def forward(self, cos_sin, x, backend: AttentionBackend, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh])), dim=1)
+        else:
+            qk = qkv[:, :h + kvh]
+        qk = RotaryEmbedding.apply(cos_sin, qk)       # q and k heads in one pass
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 

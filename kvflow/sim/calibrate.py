@@ -4,7 +4,8 @@ Input: a JSON-lines file, one measured step per line,
     {"seconds": 0.0123, "reqs": [[num_new_tokens, context_len_after], ...]}
 optionally preceded by a header line {"model": ..., "gpu": {...}} that names the shape and the
 hardware peaks the measurements were taken on (benchmarks/sim_calibrate.py writes such a file
-from CPU runs of a transformer of the named shape; the same script runs on a GPU when present).
+from steps of kvflow's own engine: real SchedulerOutputs run by the real ModelRunner on the CPU).
+Other keys on a line (a step index, the header's "measured" notes) are ignored.
 
 The fit: for each (mfu, mbu) on a log grid (then a finer one around the best), the overheads
 (fixed per step, and per request) are the non-negative weighted least-squares solution, weights
@@ -145,6 +146,14 @@ def fit(shape: ModelShape, gpu: GPUSpec, samples: list[StepSample]) -> Calibrati
     return Calibration(consts, float(ape_with(consts, fit_idx).mean()), float(hold.mean()),
                        float(hold.max()), float(ape_with(CostConstants(), hold_idx).mean()),
                        len(samples))
+
+
+def errors(shape: ModelShape, gpu: GPUSpec, constants: CostConstants,
+           samples: list[StepSample]) -> np.ndarray:
+    """|predicted - measured| / measured of each sample under the given constants (e.g. to check
+    constants fitted on one set of steps against another)."""
+    cost = CostModel(shape, gpu, constants)
+    return np.array([abs(predict(cost, s) - s.seconds) / s.seconds for s in samples])
 
 
 def predict(cost: CostModel, sample: StepSample) -> float:
