@@ -1,184 +1,236 @@
-"""Measure real step times and calibrate the simulator's cost model against them.
+"""Measure real engine steps and calibrate the simulator's cost model against them.
 
-The steps to time come from the simulator itself (a small replay, so their mix of decodes and
-prefill chunks is what the scheduler really produces). Each is run through a transformer of the
-named shape with random weights, written here in plain torch (paged-KV bookkeeping is not needed
-to time the arithmetic): QKV/O and gated-MLP GEMMs over all the step's tokens, causal attention
-of each request's new tokens against its context, the LM head on one position per request.
-The device's peaks (matmul FLOP/s, memory copy bandwidth) are measured first and stand in for
-the datasheet numbers, so the fitted mfu/mbu are fractions of what this machine can do.
+The steps are kvflow's own: an LLMEngine (the real Scheduler, the real ModelRunner, the model
+loaded from its checkpoint) serves a synthetic workload, and every SchedulerOutput the scheduler
+produces is timed in ModelRunner.execute_model (this script wraps that method; nothing in the
+engine is changed). The workload mixes what the simulator sees: prompts of lognormal lengths
+arriving over the run at a rising rate (Poisson in engine steps), greedy outputs of 8-48 tokens,
+a CPU-sized token budget, so steps range from a lone decode to a full budget of prefill chunks
+beside dozens of decodes. Each step is run `--repeats` times and the minimum kept (re-running a
+SchedulerOutput is idempotent under greedy sampling: it rewrites the same K/V into the same
+slots and samples the same tokens). The device's peaks (matmul FLOP/s in the engine's dtype,
+memory copy bandwidth) are measured first and stand in for the datasheet numbers, so the fitted
+mfu/mbu are fractions of what this machine can do.
 
-    python benchmarks/sim_calibrate.py [--model SmolLM2-135M] [--steps 80] [--device cpu]
-        [--out docs/sim/calibration_cpu.jsonl]
+    python benchmarks/sim_calibrate.py [--model HF_DIR] [--dtype auto] [--requests 80]
+        [--repeats 3] [--threads 1] [--out docs/sim/calibration_cpu.jsonl]
 
-It then runs the same fit as `kvflow simulate --calibrate FILE` and prints the prediction error.
-On a GPU machine pass --device cuda (bf16); untested here, the dev machine has no GPU.
+Default model: the embedded SmolLM2-135M-Instruct (bf16 on CPUs with AMX/AVX512-BF16, else
+fp32). It then runs the same fit as `kvflow simulate --calibrate FILE` and prints the prediction
+error: on the held-out half of the fit (every other step), and on a harder split (fitted on the
+first half of the run, checked on the second). The engine is CPU-only in this build, so this is a
+CPU calibration; a GPU one needs a GPU model runner.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from kvflow.sim import CostModel, get_model, scheduler_config, simulate
-from kvflow.sim.calibrate import StepSample, fit
-from kvflow.sim.hardware import GPUSpec
-from kvflow.sim.workload import synthetic, with_arrivals
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvflow.sim.calibrate import StepSample, errors, fit                    # noqa: E402
+from kvflow.sim.hardware import GPUSpec, ModelShape                         # noqa: E402
 
 
-def measure_peaks(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    def best(fn, reps=5):
+def measure_peaks(dtype: torch.dtype, n: int = 2048, copy_mib: int = 256,
+                  reps: int = 5) -> tuple[float, float]:
+    """Best-of-reps matmul FLOP/s (n x n x n in `dtype`) and copy bandwidth (read + write)."""
+    def best(fn):
         ts = []
         for _ in range(reps):
-            sync(device)
             t0 = time.perf_counter()
             fn()
-            sync(device)
             ts.append(time.perf_counter() - t0)
         return min(ts)
 
-    n = 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b                                                               # warm-up (oneDNN setup)
     flops = 2 * n**3 / best(lambda: a @ b)
-    x = torch.empty(64 << 20, device=device, dtype=torch.float32)      # 256 MiB
+    x = torch.empty(copy_mib << 18, dtype=torch.float32)
     y = torch.empty_like(x)
-    bw = 2 * x.numel() * 4 / best(lambda: y.copy_(x))                  # read + write
+    y.copy_(x)
+    bw = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
     return flops, bw
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def engine_shape(engine, name: str) -> ModelShape:
+    """The cost model's view of the model the engine loaded (in the dtype it runs)."""
+    c = engine.model_config
+    return ModelShape(name, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                      c.intermediate_size, c.vocab_size, c.tie_word_embeddings,
+                      engine.scheduler_config.max_model_len, engine.dtype.itemsize)
 
 
-class RandomTransformer:
-    def __init__(self, shape, device: str, dtype: torch.dtype, max_ctx_tokens: int) -> None:
-        s = shape
-        self.s, self.device, self.dtype = s, device, dtype
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        g = lambda *d: torch.randn(*d, device=device, dtype=dtype) * 0.02    # noqa: E731
-        self.layers = [(g(s.hidden_size, q + 2 * kv), g(q, s.hidden_size),
-                        g(s.hidden_size, 2 * s.intermediate_size),
-                        g(s.intermediate_size, s.hidden_size))
-                       for _ in range(s.num_layers)]
-        self.lm_head = g(s.hidden_size, s.vocab_size)
-        # One K/V pool shared by all layers: each request reads its own slice of it, so the bytes
-        # streamed per step match the model's (the pool is far larger than any CPU cache).
-        self.k = g(max_ctx_tokens, s.num_kv_heads, s.head_dim)
-        self.v = g(max_ctx_tokens, s.num_kv_heads, s.head_dim)
-
-    @torch.inference_mode()
-    def step(self, reqs: list[tuple[int, int]]) -> None:
-        s = self.s
-        T = sum(n for n, _ in reqs)
-        x = torch.randn(T, s.hidden_size, device=self.device, dtype=self.dtype)
-        H, KV, d = s.num_heads, s.num_kv_heads, s.head_dim
-        offsets, base, off = [], 0, 0
-        for n, c in reqs:
-            offsets.append((off, n, base, c))
-            off += n
-            base += c
-        for wqkv, wo, wgu, wd in self.layers:
-            qkv = x @ wqkv
-            q = qkv[:, :H * d].view(T, H, d)
-            k_new = qkv[:, H * d:(H + KV) * d].view(T, KV, d)
-            v_new = qkv[:, (H + KV) * d:].view(T, KV, d)
-            outs = []
-            for o, n, b, c in offsets:
-                self.k[b + c - n:b + c] = k_new[o:o + n]
-                self.v[b + c - n:b + c] = v_new[o:o + n]
-                mask = None
-                if n > 1:
-                    mask = torch.ones(n, c, dtype=torch.bool, device=self.device).tril(c - n)
-                outs.append(F.scaled_dot_product_attention(
-                    q[o:o + n].transpose(0, 1), self.k[b:b + c].transpose(0, 1),
-                    self.v[b:b + c].transpose(0, 1), attn_mask=mask,
-                    enable_gqa=True).transpose(0, 1))
-            x = x + torch.cat(outs).reshape(T, H * d) @ wo
-            gu = x @ wgu
-            x = x + (F.silu(gu[:, :s.intermediate_size]) * gu[:, s.intermediate_size:]) @ wd
-        last = torch.tensor([o + n - 1 for o, n, _, _ in offsets], device=self.device)
-        (x[last] @ self.lm_head).argmax(-1).tolist()
+@dataclass(slots=True)
+class Arrival:
+    step: int               # added to the engine before this engine step
+    prompt: list[int]
+    max_tokens: int
 
 
-def steps_from_a_replay(shape, n_steps: int, seed: int) -> list[list[tuple[int, int]]]:
-    """(new tokens, context after) per request for steps the real scheduler produced: half of
-    them with a prefill chunk in, half pure decode, batch sizes from 1 to max_num_seqs."""
-    wl = with_arrivals(synthetic(240, 192, 96, "lognormal", seed), "poisson", 60.0, seed)
-    cfg = scheduler_config("vllm", max_num_batched_tokens=384, num_blocks=4096, max_model_len=2048,
-                           max_num_seqs=48)
-    seen: list[list[tuple[int, int]]] = []
-
-    # Contexts must be read before update_from_output frees finished requests, which is when
-    # the simulator asks the cost model: record them there.
-    class Recorder(CostModel):
-        def step_time(self, num_scheduled, requests, pad_decodes=0, pad_context=0):
-            seen.append([(n, requests[rid].num_computed_tokens)
-                         for rid, n in num_scheduled.items()])
-            return super().step_time(num_scheduled, requests, pad_decodes, pad_context)
-
-    # A slow device (SmolLM2 on a CPU-like roofline) so that requests pile up into big batches.
-    simulate(wl, Recorder(shape, GPUSpec("slow", 2e12, 50e9, 0, "")), cfg)
+def make_workload(num_requests: int, vocab: int, seed: int, prompt_median: int = 96,
+                  max_prompt: int = 768, output_range: tuple[int, int] = (8, 48),
+                  gap_range: tuple[float, float] = (3.0, 0.5)) -> list[Arrival]:
+    """Lognormal prompt lengths (sigma 0.9, clipped to [8, max_prompt]), uniform output lengths,
+    Poisson arrivals counted in engine steps whose mean gap falls linearly from gap_range[0] to
+    gap_range[1], so the batch grows from one request to many and then drains."""
     rng = np.random.default_rng(seed)
-    mixed = [s for s in seen if any(n > 1 for n, _ in s)]
-    decode = [s for s in seen if all(n == 1 for n, _ in s)]
-    k = min(n_steps // 2, len(mixed))
-    picks = [mixed[i] for i in rng.choice(len(mixed), k, replace=False)]
-    picks += [decode[i] for i in rng.choice(len(decode), min(n_steps - k, len(decode)),
-                                            replace=False)]
-    return [picks[i] for i in rng.permutation(len(picks))]
+    plen = np.clip(rng.lognormal(np.log(prompt_median), 0.9, num_requests), 8, max_prompt)
+    olen = rng.integers(output_range[0], output_range[1] + 1, num_requests)
+    gaps = rng.exponential(np.linspace(gap_range[0], gap_range[1], num_requests))
+    steps = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)
+    # Token ids from 3 up: clear of the usual special ids (ignore_eos makes it moot anyway).
+    return [Arrival(int(s), rng.integers(3, vocab, int(p)).tolist(), int(o))
+            for s, p, o in zip(steps, plen, olen)]
 
 
-def main() -> None:
+def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
+                      max_steps: int | None = None) -> list[StepSample]:
+    """Serve the workload on the engine; time each step's execute_model (min of `repeats` runs).
+
+    Each sample's reqs are (tokens scheduled, context length after the step) per request, read
+    from the SchedulerOutput and the scheduler's requests when execute_model is called (after
+    schedule() advanced num_computed_tokens, before update_from_output() frees anything).
+    """
+    from kvflow.sampling_params import SamplingParams
+
+    runner = engine.runner
+    execute = runner.execute_model
+    samples: list[StepSample] = []
+
+    def timed(so, requests):
+        reqs = [(n, requests[rid].num_computed_tokens)
+                for rid, n in so.num_scheduled_tokens.items()]
+        best, out = float("inf"), None
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            out = execute(so, requests)
+            best = min(best, time.perf_counter() - t0)
+        if reqs:
+            samples.append(StepSample(reqs, best))
+        return out
+
+    pending = sorted(workload, key=lambda a: a.step)
+    runner.execute_model = timed
+    try:
+        step, i = 0, 0
+        while (i < len(pending) or engine.has_unfinished_requests()) and \
+                (max_steps is None or step < max_steps):
+            while i < len(pending) and (pending[i].step <= step
+                                        or not engine.has_unfinished_requests()):
+                a = pending[i]
+                engine.add_request(f"cal-{i}", a.prompt, SamplingParams(
+                    temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True))
+                i += 1
+            engine.step()
+            step += 1
+    finally:
+        del runner.execute_model                # back to the class's method
+    return samples
+
+
+def write_samples(path: str | Path, shape: ModelShape, gpu: GPUSpec,
+                  samples: list[StepSample], measured: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps({"model": asdict(shape), "gpu": asdict(gpu),
+                            "measured": measured}) + "\n")
+        for k, s in enumerate(samples):
+            f.write(json.dumps({"step": k, "seconds": round(s.seconds, 7),
+                                "reqs": [list(r) for r in s.reqs]}) + "\n")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="SmolLM2-135M")
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--repeats", type=int, default=3, help="time each step this often, keep the min")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--name", default=None, help="shape name in the output (default: from --model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--prompt-median", type=int, default=96)
+    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-steps", type=int, default=None, help="stop timing after this many steps")
+    p.add_argument("--repeats", type=int, default=3, help="run each step this often, keep the min")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: steadier timings on a shared 2-core machine)")
+    p.add_argument("--peak-matmul-n", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--peak-copy-mib", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--out", default="docs/sim/calibration_cpu.jsonl")
-    a = p.parse_args()
-    torch.manual_seed(a.seed)
-    torch.set_num_threads(a.threads)
-    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
-    shape = replace(get_model(a.model), dtype_bytes=4 if dtype == torch.float32 else 2)
-    flops, bw = measure_peaks(a.device, dtype)
-    gpu = GPUSpec(f"{a.device} (measured peaks)", flops, bw, 0, "measured by sim_calibrate.py")
-    print(f"device peaks: {flops / 1e9:.1f} GFLOP/s matmul, {bw / 1e9:.1f} GB/s copy; "
-          f"torch threads {torch.get_num_threads()}")
-    steps = steps_from_a_replay(shape, a.steps, a.seed)
-    model = RandomTransformer(shape, a.device, dtype, max(sum(c for _, c in r) for r in steps))
-    model.step([(8, 8)])                                    # warm-up
-    samples = []
+    a = p.parse_args(argv)
+
+    from kvflow.engine.llm_engine import EngineArgs, LLMEngine
+
+    load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
-    for reqs in steps:
-        ts = []
-        for _ in range(a.repeats):
-            sync(a.device)
-            t0 = time.perf_counter()
-            model.step(reqs)
-            sync(a.device)
-            ts.append(time.perf_counter() - t0)
-        samples.append(StepSample(reqs, min(ts)))
-    print(f"timed {len(samples)} steps ({a.repeats} repeats each) in "
-          f"{time.perf_counter() - t_start:.0f} s")
-    with open(a.out, "w") as f:
-        f.write(json.dumps({"model": asdict(shape), "gpu": asdict(gpu)}) + "\n")
-        for s in samples:
-            f.write(json.dumps({"seconds": s.seconds, "reqs": s.reqs}) + "\n")
+    engine = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, num_threads=a.threads,
+                                  max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_num_seqs=a.max_num_seqs, seed=a.seed))
+    name = a.name or (Path(a.model).name if a.model else "SmolLM2-135M-Instruct")
+    shape = engine_shape(engine, name)
+    max_prompt = min(a.max_prompt, shape.max_model_len - 64)
+    flops, bw = measure_peaks(engine.dtype, a.peak_matmul_n, a.peak_copy_mib)
+    dt = str(engine.dtype).removeprefix("torch.")
+    gpu = GPUSpec(f"{cpu_name()}, {torch.get_num_threads()} thread(s) (measured peaks)", flops, bw,
+                  0, f"measured by sim_calibrate.py: {dt} matmul, fp32 copy")
+    print(f"{name} ({dt}, {shape.num_params / 1e6:.1f}M params) loaded in "
+          f"{engine.load_time:.1f} s; device peaks: {flops / 1e9:.1f} GFLOP/s {dt} matmul, "
+          f"{bw / 1e9:.1f} GB/s copy; torch threads {torch.get_num_threads()}")
+
+    wl = make_workload(a.requests, shape.vocab_size, a.seed, a.prompt_median, max_prompt)
+    t0 = time.perf_counter()
+    samples = time_engine_steps(engine, wl, a.repeats, a.max_steps)
+    took = time.perf_counter() - t0
+    load1 = os.getloadavg()[0]
+    sizes = [len(s.reqs) for s in samples]
+    n_mixed = sum(any(n > 1 for n, _ in s.reqs) for s in samples)
+    print(f"timed {len(samples)} engine steps ({n_mixed} with a prefill chunk, "
+          f"{len(samples) - n_mixed} pure decode; 1-{max(sizes)} requests, "
+          f"{min(sum(n for n, _ in s.reqs) for s in samples)}-"
+          f"{max(sum(n for n, _ in s.reqs) for s in samples)} tokens; "
+          f"{a.repeats} runs each) in {took:.0f} s; load average {load0:.2f} -> {load1:.2f}")
+
+    measured = {"runner": "kvflow.model.runner.ModelRunner.execute_model", "dtype": dt,
+                "threads": torch.get_num_threads(), "repeats": a.repeats,
+                "requests": a.requests, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "max_num_seqs": a.max_num_seqs, "seed": a.seed,
+                "loadavg_1min": [round(load0, 2), round(load1, 2)],
+                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    write_samples(a.out, shape, gpu, samples, measured)
+
     cal = fit(shape, gpu, samples)
-    print(f"calibration of {shape.name} (fp{8 * shape.dtype_bytes}) on {gpu.name}\n{cal.report()}")
-    print(f"wrote {a.out}")
+    print(f"calibration of {shape.name} ({dt}) on {gpu.name}\n{cal.report()}")
+    half = len(samples) // 2
+    if half >= 4:
+        early = fit(shape, gpu, samples[:half])
+        late = errors(shape, gpu, early.constants, samples[half:])
+        print(f"time split (fitted on steps 0-{half - 1}, checked on {half}-{len(samples) - 1}): "
+              f"{late.mean():.1%} mean, {late.max():.1%} max")
+    print(f"wrote {a.out} ({time.perf_counter() - t_start:.0f} s in all)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
