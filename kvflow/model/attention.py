@@ -120,9 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k[:n])
         v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v[:n])
         g = q.shape[1] // kvh
-        out = torch.empty_like(q)
         ex = meta.extra
         d = meta.num_decodes
+        out = torch.empty_like(q) if d < n else None
         if d:
             blocks = ex["d_blocks"]
             keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
@@ -130,6 +130,8 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q[:d].view(d, kvh, g, hd)
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=ex["d_mask"],
                                                scale=scale)
+            if d == n:
+                return o.view(d, kvh * g, hd)       # decodes only: no copy into `out`
             out[:d] = o.reshape(d, kvh * g, hd)
         if ex["p_batched"] is not None:
             self._forward_batched(q, out, k_cache, v_cache, ex["p_batched"], kvh, g, hd, scale)

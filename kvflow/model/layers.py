@@ -54,12 +54,17 @@ class RotaryEmbedding(nn.Module):
         self.cos = self.sin = None
 
     def build(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        # Built after weights are loaded: models are created on the meta device.
+        # Built after the weights are loaded, in the model's dtype and device.
         inv = _inv_freq(self.head_dim, self.theta, self.scaling)
         freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table
+        # (negation is exact), which saves the neg and cat ops of every layer.
+        sin = emb.sin()
+        half = self.head_dim // 2
+        sin[:, :half] = -sin[:, :half]
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] for this step's positions; shared by every layer."""
@@ -71,9 +76,8 @@ class RotaryEmbedding(nn.Module):
         return _rotate(x, *cos_sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class MLP(nn.Module):
