@@ -6,14 +6,15 @@ produces is timed in ModelRunner.execute_model (this script wraps that method; n
 engine is changed). The workload mixes what the simulator sees: prompts of lognormal lengths
 arriving over the run at a rising rate (Poisson in engine steps), greedy outputs of 8-48 tokens,
 a CPU-sized token budget, so steps range from a lone decode to a full budget of prefill chunks
-beside dozens of decodes. Each step is run `--repeats` times and the minimum kept (re-running a
+beside dozens of decodes. Each step is run `--repeats` times in a row (re-running a
 SchedulerOutput is idempotent under greedy sampling: it rewrites the same K/V into the same
-slots and samples the same tokens). The device's peaks (matmul FLOP/s in the engine's dtype,
-memory copy bandwidth) are measured first and stand in for the datasheet numbers, so the fitted
-mfu/mbu are fractions of what this machine can do.
+slots and samples the same tokens), the whole workload is served `--passes` times (fresh prompt
+ids, same schedule), and each step's minimum over all its runs is kept. The device's peaks
+(matmul FLOP/s in the engine's dtype, memory copy bandwidth) are measured first and stand in for
+the datasheet numbers, so the fitted mfu/mbu are fractions of what this machine can do.
 
     python benchmarks/sim_calibrate.py [--model HF_DIR] [--dtype auto] [--requests 80]
-        [--repeats 3] [--threads 1] [--out docs/sim/calibration_cpu.jsonl]
+        [--passes 2] [--repeats 2] [--threads 1] [--out docs/sim/calibration_cpu.jsonl]
 
 Default model: the embedded SmolLM2-135M-Instruct (bf16 on CPUs with AMX/AVX512-BF16, else
 fp32). It then runs the same fit as `kvflow simulate --calibrate FILE` and prints the prediction
@@ -24,6 +25,7 @@ CPU calibration; a GPU one needs a GPU model runner.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -71,6 +73,9 @@ def engine_shape(engine, name: str) -> ModelShape:
                       engine.scheduler_config.max_model_len, engine.dtype.itemsize)
 
 
+_PASS = itertools.count()
+
+
 @dataclass(slots=True)
 class Arrival:
     step: int               # added to the engine before this engine step
@@ -80,17 +85,20 @@ class Arrival:
 
 def make_workload(num_requests: int, vocab: int, seed: int, prompt_median: int = 96,
                   max_prompt: int = 768, output_range: tuple[int, int] = (8, 48),
-                  gap_range: tuple[float, float] = (3.0, 0.5)) -> list[Arrival]:
+                  gap_range: tuple[float, float] = (3.0, 0.5), ids_seed: int = 0) -> list[Arrival]:
     """Lognormal prompt lengths (sigma 0.9, clipped to [8, max_prompt]), uniform output lengths,
     Poisson arrivals counted in engine steps whose mean gap falls linearly from gap_range[0] to
-    gap_range[1], so the batch grows from one request to many and then drains."""
+    gap_range[1], so the batch grows from one request to many and then drains. The token ids
+    (random, so nothing hits the prefix cache) also depend on ids_seed: the same schedule can be
+    replayed on one engine with fresh prompts."""
     rng = np.random.default_rng(seed)
     plen = np.clip(rng.lognormal(np.log(prompt_median), 0.9, num_requests), 8, max_prompt)
     olen = rng.integers(output_range[0], output_range[1] + 1, num_requests)
     gaps = rng.exponential(np.linspace(gap_range[0], gap_range[1], num_requests))
     steps = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)
+    ids = np.random.default_rng([seed, ids_seed])
     # Token ids from 3 up: clear of the usual special ids (ignore_eos makes it moot anyway).
-    return [Arrival(int(s), rng.integers(3, vocab, int(p)).tolist(), int(o))
+    return [Arrival(int(s), ids.integers(3, vocab, int(p)).tolist(), int(o))
             for s, p, o in zip(steps, plen, olen)]
 
 
@@ -121,6 +129,7 @@ def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
         return out
 
     pending = sorted(workload, key=lambda a: a.step)
+    tag = next(_PASS)
     runner.execute_model = timed
     try:
         step, i = 0, 0
@@ -129,7 +138,7 @@ def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
             while i < len(pending) and (pending[i].step <= step
                                         or not engine.has_unfinished_requests()):
                 a = pending[i]
-                engine.add_request(f"cal-{i}", a.prompt, SamplingParams(
+                engine.add_request(f"cal{tag}-{i}", a.prompt, SamplingParams(
                     temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True))
                 i += 1
             engine.step()
@@ -147,6 +156,20 @@ def write_samples(path: str | Path, shape: ModelShape, gpu: GPUSpec,
         for k, s in enumerate(samples):
             f.write(json.dumps({"step": k, "seconds": round(s.seconds, 7),
                                 "reqs": [list(r) for r in s.reqs]}) + "\n")
+
+
+def source_version() -> str:
+    """The commit the engine was loaded from, '+dirty' when kvflow/ has uncommitted changes."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvflow"], cwd=root,
+                               text=True, capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
 
 
 def cpu_name() -> str:
@@ -172,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-steps", type=int, default=None, help="stop timing after this many steps")
-    p.add_argument("--repeats", type=int, default=3, help="run each step this often, keep the min")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="run each step this often in a row, keep the min")
+    p.add_argument("--passes", type=int, default=2,
+                   help="serve the workload this often (fresh prompt ids, same schedule) and "
+                        "keep each step's min over all runs: spreads the runs of a step over "
+                        "time, so one burst of load on a shared machine does not hit them all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: steadier timings on a shared 2-core machine)")
@@ -183,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvflow.engine.llm_engine import EngineArgs, LLMEngine
 
+    version = source_version()
     load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, num_threads=a.threads,
@@ -199,9 +228,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{engine.load_time:.1f} s; device peaks: {flops / 1e9:.1f} GFLOP/s {dt} matmul, "
           f"{bw / 1e9:.1f} GB/s copy; torch threads {torch.get_num_threads()}")
 
-    wl = make_workload(a.requests, shape.vocab_size, a.seed, a.prompt_median, max_prompt)
     t0 = time.perf_counter()
-    samples = time_engine_steps(engine, wl, a.repeats, a.max_steps)
+    samples: list[StepSample] = []
+    for k in range(max(1, a.passes)):
+        wl = make_workload(a.requests, shape.vocab_size, a.seed, a.prompt_median, max_prompt,
+                           ids_seed=k)
+        got = time_engine_steps(engine, wl, a.repeats, a.max_steps)
+        if not samples:
+            samples = got
+        elif [s.reqs for s in got] == [s.reqs for s in samples]:
+            samples = [StepSample(s.reqs, min(s.seconds, g.seconds))
+                       for s, g in zip(samples, got)]
+        else:           # not expected: the schedule depends on lengths and arrivals only
+            print(f"pass {k + 1} scheduled different steps; keeping the earlier passes")
+            break
     took = time.perf_counter() - t0
     load1 = os.getloadavg()[0]
     sizes = [len(s.reqs) for s in samples]
@@ -210,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(samples) - n_mixed} pure decode; 1-{max(sizes)} requests, "
           f"{min(sum(n for n, _ in s.reqs) for s in samples)}-"
           f"{max(sum(n for n, _ in s.reqs) for s in samples)} tokens; "
-          f"{a.repeats} runs each) in {took:.0f} s; load average {load0:.2f} -> {load1:.2f}")
+          f"min of {a.passes} x {a.repeats} runs each) in {took:.0f} s; "
+          f"load average {load0:.2f} -> {load1:.2f}; kvflow at {version}")
 
-    measured = {"runner": "kvflow.model.runner.ModelRunner.execute_model", "dtype": dt,
-                "threads": torch.get_num_threads(), "repeats": a.repeats,
+    measured = {"runner": "kvflow.model.runner.ModelRunner.execute_model", "commit": version,
+                "dtype": dt,
+                "threads": torch.get_num_threads(), "passes": a.passes, "repeats": a.repeats,
                 "requests": a.requests, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "max_num_seqs": a.max_num_seqs, "seed": a.seed,
                 "loadavg_1min": [round(load0, 2), round(load1, 2)],

@@ -147,12 +147,12 @@ def test_bfloat16_matches_hf_bfloat16(tiny_llama):
     with torch.inference_mode():
         ref = {dt: AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dt).eval()(
             torch.tensor([prompt])).logits[0].float() for dt in (torch.bfloat16, torch.float32)}
-    # bf16 keeps 8 mantissa bits, and these peaky random weights amplify rounding: HF's own bf16
-    # logits sit ~2.6 away from its float32 ones. kvflow rounds at slightly different points
-    # (its fused RMSNorm applies the weight before rounding), so it is not bit-close to HF's
-    # bf16, but it must be as close to the float32 truth as HF's bf16 is (~2.8 seen; a wrong
-    # RoPE, e.g. none at all, gives 27).
+    # bf16 keeps 8 mantissa bits and these peaky random weights amplify rounding. kvflow rounds
+    # at other points than HF (fused RMSNorm weight, addmm residuals, in-place RoPE), so it is
+    # not bit-close to HF's bf16; it must be as close to the float32 truth as HF's bf16 is.
+    # Mean |error| (the max is one position and varies run to run with oneDNN's kernel choice):
+    # HF bf16 0.146, kvflow 0.151 seen; with RoPE switched off it is 3.9.
     f32 = ref[torch.float32]
-    hf_error = (ref[torch.bfloat16] - f32).abs().max()
-    assert (ours - f32).abs().max() < 1.5 * hf_error
+    hf_error = (ref[torch.bfloat16] - f32).abs().mean()
+    assert (ours - f32).abs().mean() < 1.5 * hf_error
     assert (ours.argmax(-1) == f32.argmax(-1)).float().mean() > 0.8

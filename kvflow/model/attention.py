@@ -25,19 +25,21 @@ class AttentionMetadata:
     block_table: torch.Tensor           # [num_reqs, max_blocks], padded with 0
     num_decodes: int                    # the first num_decodes requests have 1 query token
     block_size: int
+    num_blocks: int                     # blocks in the cache (K blocks, then V blocks, per layer)
     extra: dict = field(default_factory=dict)   # the backend's per-step precomputation
 
 
 class AttentionBackend:
-    """Interface. kv_cache for a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Interface. kv_cache for a layer is [2, num_blocks, block_size, num_kv_heads, head_dim]:
+    its K cache and its V cache, each laid out [num_blocks, block_size, num_kv_heads, head_dim]."""
     name = "abstract"
 
     def prepare(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        """q [T, H, D] and the new keys and values kv [T, 2, KVH, D] -> [T, H, D]."""
         raise NotImplementedError
 
 
@@ -49,6 +51,7 @@ _MAX_PAD_WASTE = 2.0
 class TorchAttentionBackend(AttentionBackend):
     """CPU (and fallback) backend on torch's scaled_dot_product_attention.
 
+    Every SDPA call is 4-D: with 3-D inputs torch takes its unfused "math" path (8x slower).
     Contexts are gathered a whole block at a time (index_select over the block axis is several
     times faster on CPU than gathering single slots). GQA without copying K/V: the query heads
     that share a KV head are folded into the query-length axis, [B, KVH, G*Lq, D].
@@ -59,11 +62,15 @@ class TorchAttentionBackend(AttentionBackend):
         ex = meta.extra
         ex.clear()
         bt, bs = meta.block_table, meta.block_size
+        # The layer's cache seen as one [2 * num_blocks, ...] tensor: V block b is row
+        # num_blocks + b, so one index op moves K and V together.
+        ex["slots"] = torch.stack((meta.slot_mapping,
+                                   meta.slot_mapping + meta.num_blocks * bs), dim=1)
         d = meta.num_decodes
         if d:
             lens = meta.seq_lens[:d]
             nb = -(-max(lens) // bs)
-            ex["d_blocks"] = bt[:d, :nb].reshape(-1)
+            ex["d_blocks"] = self._kv_rows(bt[:d, :nb].reshape(-1), meta)
             key_pos = torch.arange(nb * bs)
             ex["d_mask"] = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
         qsl, lens = meta.query_start_loc, meta.seq_lens
@@ -83,6 +90,10 @@ class TorchAttentionBackend(AttentionBackend):
             ex["p_single"] = [self._prepare_one(meta, p) for p in pre]
 
     @staticmethod
+    def _kv_rows(blocks: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return torch.cat((blocks, blocks + meta.num_blocks))
+
+    @staticmethod
     def _causal_mask(q_len: int, ctx: int, n_keys: int) -> torch.Tensor:
         # Query i sits at position ctx - q_len + i and sees keys up to and including itself.
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
@@ -93,8 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
         if ctx == q_len:
             return (start, q_len, None, None)       # no cached prefix: attend to fresh K/V
         nb = -(-ctx // meta.block_size)
-        return (start, q_len, meta.block_table[i, :nb], self._causal_mask(q_len, ctx,
-                                                                        nb * meta.block_size))
+        return (start, q_len, self._kv_rows(meta.block_table[i, :nb], meta),
+                self._causal_mask(q_len, ctx, nb * meta.block_size))
 
     def _prepare_batched(self, meta: AttentionMetadata, pre, max_q: int, max_ctx: int) -> tuple:
         bs = meta.block_size
@@ -110,23 +121,20 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens = [p[2] for p in pre]
         valid = torch.cat([torch.arange(j * max_q, j * max_q + n) for j, n in enumerate(q_lens)])
         out_idx = torch.cat([torch.arange(p[1], p[1] + p[2]) for p in pre])
-        blocks = meta.block_table[rows, :nb].reshape(-1)
+        blocks = self._kv_rows(meta.block_table[rows, :nb].reshape(-1), meta)
         return q_idx, mask[:, None], blocks, nb, valid, out_idx
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        _, bs, kvh, hd = k_cache.shape
+    def forward(self, q, kv, kv_cache, meta, scale):
+        _, _, bs, kvh, hd = kv_cache.shape
         n = meta.num_tokens
-        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k[:n])
-        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v[:n])
-        g = q.shape[1] // kvh
         ex = meta.extra
+        kv_cache.view(-1, kvh, hd).index_put_((ex["slots"],), kv[:n])
+        cache = kv_cache.view(-1, bs, kvh, hd)      # [2 * num_blocks, bs, kvh, hd]
+        g = q.shape[1] // kvh
         d = meta.num_decodes
         out = torch.empty_like(q) if d < n else None
         if d:
-            blocks = ex["d_blocks"]
-            keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
-            vals = v_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
+            keys, vals = cache.index_select(0, ex["d_blocks"]).view(2, d, -1, kvh, hd).transpose(2, 3)
             qd = q[:d].view(d, kvh, g, hd)
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=ex["d_mask"],
                                                scale=scale)
@@ -134,33 +142,30 @@ class TorchAttentionBackend(AttentionBackend):
                 return o.view(d, kvh * g, hd)       # decodes only: no copy into `out`
             out[:d] = o.reshape(d, kvh * g, hd)
         if ex["p_batched"] is not None:
-            self._forward_batched(q, out, k_cache, v_cache, ex["p_batched"], kvh, g, hd, scale)
+            self._forward_batched(q, out, cache, ex["p_batched"], kvh, g, hd, scale)
         for start, q_len, blocks, mask in ex["p_single"]:
-            qs = q[start:start + q_len].view(q_len, kvh, g, hd).permute(1, 2, 0, 3)
-            if blocks is None:
-                ks = k[start:start + q_len].transpose(0, 1)
-                vs = v[start:start + q_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs.reshape(kvh * g, q_len, hd),
-                                                   ks.repeat_interleave(g, 0),
-                                                   vs.repeat_interleave(g, 0),
-                                                   is_causal=True, scale=scale)
-                out[start:start + q_len] = o.transpose(0, 1)
+            qs = q[start:start + q_len].transpose(0, 1)        # [H, q_len, hd]
+            if blocks is None:      # no cached prefix: attend to the fresh K/V, plain causal
+                new = kv[start:start + q_len].transpose(0, 2)       # [KVH, 2, q_len, hd]
+                o = F.scaled_dot_product_attention(
+                    qs[None], new[None, :, 0].repeat_interleave(g, 1),
+                    new[None, :, 1].repeat_interleave(g, 1), is_causal=True, scale=scale)
+                out[start:start + q_len] = o[0].transpose(0, 1)
                 continue
-            ks = k_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1)
-            vs = v_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs.reshape(kvh, g * q_len, hd), ks, vs,
-                                               attn_mask=mask.repeat(g, 1), scale=scale)
+            keys, vals = cache.index_select(0, blocks).view(2, -1, kvh, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs.reshape(1, kvh, g * q_len, hd), keys[None],
+                                               vals[None], attn_mask=mask.repeat(g, 1),
+                                               scale=scale)
             out[start:start + q_len] = o.view(kvh, g, q_len, hd).permute(2, 0, 1, 3).reshape(
                 q_len, kvh * g, hd)
         return out
 
     @staticmethod
-    def _forward_batched(q, out, k_cache, v_cache, prep, kvh, g, hd, scale):
+    def _forward_batched(q, out, cache, prep, kvh, g, hd, scale):
         q_idx, mask, blocks, nb, valid, out_idx = prep
         p, max_q = q_idx.shape
         qp = q[q_idx.view(-1)].view(p, max_q, kvh, g, hd).permute(0, 2, 3, 1, 4)
-        keys = k_cache.index_select(0, blocks).view(p, -1, kvh, hd).transpose(1, 2)
-        vals = v_cache.index_select(0, blocks).view(p, -1, kvh, hd).transpose(1, 2)
+        keys, vals = cache.index_select(0, blocks).view(2, p, -1, kvh, hd).transpose(2, 3)
         o = F.scaled_dot_product_attention(qp.reshape(p, kvh, g * max_q, hd), keys, vals,
                                            attn_mask=mask.repeat(1, 1, g, 1), scale=scale)
         o = o.view(p, kvh, g, max_q, hd).permute(0, 3, 1, 2, 4).reshape(p * max_q, kvh * g, hd)

@@ -71,13 +71,11 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(cos_sin, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim]: q and k heads side by side, rotated in one pass."""
-        return _rotate(x, *cos_sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    def apply_(cos_sin, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] in place (q and k heads side by side, one pass)."""
+        cos, signed_sin = cos_sin
+        rolled = x.roll(x.shape[-1] // 2, dims=-1)
+        return x.mul_(cos).addcmul_(rolled, signed_sin)
 
 
 class MLP(nn.Module):
@@ -88,6 +86,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Returns residual + mlp(x); down_proj and the residual add are one addmm."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return torch.addmm(residual, F.silu(gate).mul_(up), self.down_proj.weight.t())

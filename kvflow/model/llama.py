@@ -30,19 +30,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, cos_sin, x, backend: AttentionBackend, kv_cache,
+    def forward(self, cos_sin, x, residual, backend: AttentionBackend, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """Returns residual + attention(x): the o_proj and the residual add are one addmm."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
+        qk = qkv[:, :h + kvh]
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh])), dim=1)
-        else:
-            qk = qkv[:, :h + kvh]
-        qk = RotaryEmbedding.apply(cos_sin, qk)       # q and k heads in one pass
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+            qkv[:, :h] = self.q_norm(qkv[:, :h])
+            qkv[:, h:h + kvh] = self.k_norm(qkv[:, h:h + kvh])
+        RotaryEmbedding.apply_(cos_sin, qk)     # q and k heads, in place in qkv
+        kv = qkv[:, h:].view(t, 2, kvh, d)      # new keys and values, side by side
+        o = backend.forward(qkv[:, :h], kv, kv_cache, meta, self.scale)
+        return torch.addmm(residual, o.reshape(t, self.q_size), self.o_proj.weight.t())
 
 
 class DecoderLayer(nn.Module):
@@ -54,8 +55,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, cos_sin, h, backend, kv_cache, meta):
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h), backend, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(cos_sin, self.input_layernorm(h), h, backend, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(h), h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,9 +85,11 @@ class LlamaForCausalLM(nn.Module):
             h = layer(cos_sin, h, backend, kv_cache, meta)
         return self.norm(h[logits_indices])
 
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return torch.nn.functional.linear(hidden, self.lm_weight())
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

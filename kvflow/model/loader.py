@@ -61,8 +61,9 @@ def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
     if p.is_file() and p.suffix == ".gguf":
         from kvflow.model.gguf_loader import load_gguf
         g = load_gguf(p)
-        # GGUF weights are quantised or float; the model was trained in bf16.
-        cfg = dict(g.config, torch_dtype="bfloat16")
+        # Dequantised GGUF weights (fp16 scale x small int + offset) are exact in float32 and
+        # would be rounded again in bf16; so "auto" means float32 here.
+        cfg = dict(g.config, torch_dtype="float32")
         special = {"bos_token_id": g.bos_token_id, "eos_token_id": g.eos_token_id,
                    "add_bos_token": g.add_bos_token}
         return Checkpoint(str(p), cfg, g.tensors, g.tokenizer, g.chat_template, special)

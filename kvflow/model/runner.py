@@ -103,7 +103,8 @@ class ModelRunner:
         meta = AttentionMetadata(num_tokens=len(input_ids),
                                  slot_mapping=torch.tensor(slots, dtype=torch.long),
                                  query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table,
-                                 num_decodes=num_decodes, block_size=bs)
+                                 num_decodes=num_decodes, block_size=bs,
+                                 num_blocks=self.num_blocks)
         self.backend.prepare(meta)
         if not sample_reqs:
             logits_rows = [len(input_ids) - 1]      # run the layers (they write KV); skip nothing
@@ -115,8 +116,8 @@ class ModelRunner:
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
         logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [r.sampling_params for r in sample_reqs],
-                              [self._generator(r) for r in sample_reqs])
+        params = [r.sampling_params for r in sample_reqs]
+        tokens = self.sampler(logits, params, [self._generator(r) for r in sample_reqs])
         return {r.request_id: [t] for r, t in zip(sample_reqs, tokens)}
 
     @torch.inference_mode()
@@ -130,7 +131,7 @@ class ModelRunner:
         meta = AttentionMetadata(num_tokens=n, slot_mapping=torch.arange(n),
                                  query_start_loc=[0, n], seq_lens=[n],
                                  block_table=torch.arange(nb)[None, :], num_decodes=int(n == 1),
-                                 block_size=bs)
+                                 block_size=bs, num_blocks=self.num_blocks)
         self.backend.prepare(meta)
         hidden = self.model(torch.tensor(token_ids), torch.arange(n), self.kv_caches,
                             self.backend, meta, torch.arange(n))
