@@ -62,10 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
         ex = meta.extra
         ex.clear()
         bt, bs = meta.block_table, meta.block_size
-        # The layer's cache seen as one [2 * num_blocks, ...] tensor: V block b is row
-        # num_blocks + b, so one index op moves K and V together.
-        ex["slots"] = torch.stack((meta.slot_mapping,
-                                   meta.slot_mapping + meta.num_blocks * bs), dim=1)
+        # Reads see the layer's cache as one [2 * num_blocks, ...] tensor: V block b is row
+        # num_blocks + b, so one index_select gathers K and V together.
         d = meta.num_decodes
         if d:
             lens = meta.seq_lens[:d]
@@ -128,7 +126,10 @@ class TorchAttentionBackend(AttentionBackend):
         _, _, bs, kvh, hd = kv_cache.shape
         n = meta.num_tokens
         ex = meta.extra
-        kv_cache.view(-1, kvh, hd).index_put_((ex["slots"],), kv[:n])
+        # Two index_copy_ calls: index_put_ with a [T, 2] index is ~50x slower on CPU.
+        slots = meta.slot_mapping
+        kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 0])
+        kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 1])
         cache = kv_cache.view(-1, bs, kvh, hd)      # [2 * num_blocks, bs, kvh, hd]
         g = q.shape[1] // kvh
         d = meta.num_decodes
