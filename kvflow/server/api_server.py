@@ -33,6 +33,7 @@ from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionR
 from kvflow.server.serving import OpenAIServing, SSEStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -95,8 +96,9 @@ def _validate(model: type[BaseModel], obj: dict):
         errs = e.errors()
         first = errs[0]
         param = str(first["loc"][0]) if first["loc"] else None
-        where = ".".join(str(x) for x in first["loc"][:1] + tuple(
-            x for x in first["loc"][1:] if isinstance(x, int)))
+        # Drop pydantic's union-member tags ('str', 'list[int]', ...) from the location.
+        where = ".".join(str(x) for x in first["loc"] if isinstance(x, int) or (
+            x not in _TYPE_TAGS and "[" not in x and "-" not in x))
         got = repr(first.get("input"))[:80] if first["type"] != "missing" else None
         msg = f"{where}: {first['msg']}" + (f" (got {got})" if got else "")
         raise ApiError(400, msg, param) from None

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = StrictInt | StrictFloat
+Number = StrictFloat      # strict, but ints are accepted (and become floats)
 TokenIds = list[StrictInt]
 
 
