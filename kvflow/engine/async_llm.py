@@ -150,8 +150,10 @@ class AsyncLLM:
         """Yield cumulative RequestOutputs for one request; the last has finished=True.
 
         When the consumer falls behind, intermediate outputs are skipped (each one is cumulative,
-        so the newest says everything). Closing or cancelling the generator early aborts the
-        request.
+        so the newest says everything). Closing the generator, or cancelling the task while it
+        awaits the next output, aborts the request at once. (If a consumer raises in its own loop
+        body, Python closes the generator only when it is garbage-collected; use
+        `contextlib.aclosing`, or `add_request` and `RequestStream.close()`, as the server does.)
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = await self.add_request(rid, prompt, sampling_params, priority)
