@@ -134,12 +134,32 @@ def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama):
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
         assert not a.is_running
-        from fastapi.testclient import TestClient
+    finally:
+        a.shutdown()
 
-        from kvflow.server.api_server import build_app
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_answers_503_when_the_engine_dies(tiny_llama, stream):
+    from fastapi.testclient import TestClient
+
+    from kvflow.server.api_server import build_app
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+
+    def boom():
+        raise RuntimeError("boom")
+    asyncio.run(a.call_in_engine(lambda e: setattr(e, "step", boom)))
+    body = {"prompt": "The cat", "max_tokens": 2, "stream": stream}
+    try:
         with TestClient(build_app(a, "tiny")) as http:
+            r = http.post("/v1/completions", json=body)     # accepted, then the step fails
+            if stream:
+                assert r.status_code == 200
+                events = [e for e in r.text.split("\n\n") if e]
+                assert '"server_error"' in events[-2] and events[-1] == "data: [DONE]"
+            else:
+                assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
             assert http.get("/health").status_code == 503
-            r = http.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+            r = http.post("/v1/completions", json=body)     # refused at once
+            assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
     finally:
         a.shutdown()

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from kvflow import LLM, SamplingParams
-from server_helpers import engine_state, metric, metrics, running_server, wait_idle
+from server_helpers import metric, metrics, running_server, wait_idle
 
 KEY = "sk-test-key"
 PROMPT = "The cat sees the red house"

@@ -1,7 +1,6 @@
 """`kvflow bench serve`: argument parsing and the run (see kvflow/bench/serve.py)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math

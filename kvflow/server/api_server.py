@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest)
@@ -176,6 +176,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
         return _error_response(ApiError(e.status_code, str(e.detail), None,
                                         type="invalid_request_error" if e.status_code < 500
                                         else "server_error"))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request, e: EngineDeadError):
+        return _error_response(ApiError(503, str(e), None, type="server_error"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):

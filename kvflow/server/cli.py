@@ -45,8 +45,13 @@ def cmd_serve(args) -> int:
     model = args.model_tag or args.model
     llm = AsyncLLM.from_engine_args(EngineArgs(model=model, **engine_kwargs(args)))
     names = args.served_model_name or [served_name(model)]
+    if model is None:
+        from kvflow.model.gguf_loader import default_model_path
+        path = default_model_path()
+    else:
+        path = model
     app = build_app(llm, names, api_key=args.api_key,
-                    max_body_bytes=args.max_request_body_bytes, model_path=model)
+                    max_body_bytes=args.max_request_body_bytes, model_path=path)
     c = llm.scheduler_config
     print(f"kvflow serve: {names[0]} on http://{args.host}:{args.port} (max_model_len "
           f"{c.max_model_len}, {c.num_blocks} KV blocks of {c.block_size}, max_num_seqs "
