@@ -1,4 +1,4 @@
-"""`kvflow generate`, `kvflow chat`, `kvflow simulate`."""
+"""`kvflow generate`, `kvflow chat`, `kvflow simulate`, `kvflow serve`, `kvflow bench serve`."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_chat)
     from kvflow.sim.cli import add_simulate_parser     # torch-free; cheap to import
     add_simulate_parser(sub)
+    from kvflow.server.cli import add_serve_parser      # argparse only; FastAPI loads on use
+    add_serve_parser(sub, add_engine_args)
+    from kvflow.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Client-side benchmarks: `kvflow bench serve` (kvflow/bench/serve.py)."""

@@ -1,0 +1,104 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and the error object.
+
+Types are strict: `"max_tokens": "16"` is a 400, not a silent coercion. Unknown fields are
+ignored (OpenAI clients send fields kvflow does not use); fields kvflow knows but does not
+implement are rejected when they ask for something other than the default (e.g. n=2).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictFloat      # strict, but ints are accepted (and become floats)
+TokenIds = list[StrictInt]
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+        self.code = code if code is not None else status
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    priority: StrictInt = 0
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    user: StrictStr | None = None
+    request_id: StrictStr | None = None
+    # Known, not implemented: accepted only at their neutral values.
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logprobs: Any = None
+    best_of: StrictInt | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: StrictStr
+    content: StrictStr | list[dict] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    top_logprobs: StrictInt | None = None
+    tools: Any = None
+    response_format: Any = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: StrictStr | None = None
+    tokens: TokenIds
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+

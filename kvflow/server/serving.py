@@ -1,0 +1,318 @@
+"""/v1/completions and /v1/chat/completions on top of AsyncLLM: OpenAI JSON in, JSON or SSE out.
+
+Prompts are tokenized here (so usage counts and the context-length check are exact before the
+engine sees the request) and handed to the engine as {"prompt", "prompt_token_ids"}. Streaming
+holds back the last len(longest stop string) - 1 characters until the request finishes, because
+the engine cuts the text when a stop string completes and streamed text cannot be taken back;
+the concatenated stream therefore always equals the non-streamed text.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+
+from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvflow.engine.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, usage
+
+class SSEStream:
+    """A streamed answer: the SSE text chunks, and the requests to abort if nobody reads them."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        self.body, self.streams = body, streams
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+_SP_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop",
+              "stop_token_ids", "ignore_eos")
+
+
+def _param_of(msg: str) -> str | None:
+    word = msg.split(" ", 1)[0]
+    return word if word in _SP_FIELDS else None
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_names: list[str]) -> None:
+        self.llm = llm
+        self.model_names = model_names
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.scheduler_config.max_model_len
+        self.vocab_size = llm.model_config.vocab_size
+
+    # ---- checks shared by both endpoints ----------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist. Served: "
+                                f"{', '.join(self.model_names)}", "model", code="model_not_found")
+
+    def _check_unsupported(self, req) -> None:
+        if req.n != 1:
+            raise ApiError(400, f"n must be 1 (kvflow returns one choice per prompt), got {req.n}",
+                           "n")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported", "best_of")
+        if req.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", "logprobs")
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
+                              ("repetition_penalty", 1)):
+            v = getattr(req, name)
+            if v is not None and v != neutral:
+                raise ApiError(400, f"{name} is not supported (only {neutral})", name)
+
+    def _sampling_params(self, req, max_tokens: int | None, default_max: int | None,
+                         prompt_lens: list[int], what: str) -> SamplingParams:
+        longest = max(prompt_lens)
+        if longest >= self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, your request has {longest} input tokens. "
+                                f"Please reduce the length of the input.", what)
+        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens >= 1 and \
+                longest + max_tokens > self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, you requested {longest + max_tokens} tokens "
+                                f"({longest} in the {what}, {max_tokens} in the completion). "
+                                f"Please reduce the length of the {what} or completion.",
+                           "max_tokens")
+        if max_tokens is None:
+            room = self.max_model_len - longest
+            max_tokens = room if default_max is None else min(default_max, room)
+        kw = dict(max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+                  stop=req.stop if req.stop is not None else [],
+                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                kw[name] = getattr(req, name)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise ApiError(400, str(e), _param_of(str(e))) from None
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {bad} is not in [0, {self.vocab_size})",
+                               "prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return text, ids
+
+    async def _add(self, rid: str, prompts: list[tuple[str | None, list[int]]],
+                   sp: SamplingParams, priority: int) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                p = {"prompt_token_ids": ids, "prompt": text}
+                streams.append(await self.llm.add_request(f"{rid}-{i}", p, sp, priority))
+        except ValueError as e:
+            for s in streams:
+                s.close()
+            raise ApiError(400, str(e), None) from None
+        except EngineDeadError as e:
+            for s in streams:
+                s.close()
+            raise ApiError(503, str(e), None, type="server_error") from None
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest):
+        self.check_model(req.model)
+        self._check_unsupported(req)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            raw_prompts = [p]
+        else:
+            raw_prompts = list(p)
+        if not raw_prompts:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        prompts = [self._prompt_ids(x) for x in raw_prompts]
+        sp = self._sampling_params(req, req.max_tokens, 16, [len(ids) for _, ids in prompts],
+                                   "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add(rid, prompts, sp, req.priority)
+        meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
+        if req.stream:
+            inc = req.stream_options is not None and req.stream_options.include_usage
+            return SSEStream(self._stream(streams, meta, "text_completion", inc, sp, chat=False),
+                             streams)
+        outs = await _collect(streams)
+        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
+                    "finish_reason": o.outputs[0].finish_reason,
+                    "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
+        return {**meta, "object": "text_completion", "choices": choices,
+                "usage": _usage(outs)}
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest):
+        self.check_model(req.model)
+        self._check_unsupported(req)
+        if req.tools:
+            raise ApiError(400, "tools are not supported", "tools")
+        if req.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format is not supported", "response_format")
+        text, ids = self.render_chat(req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise ApiError(400, f"max_completion_tokens must be an int >= 1, got "
+                                f"{req.max_completion_tokens}", "max_completion_tokens")
+        sp = self._sampling_params(req, max_tokens, None, [len(ids)], "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add(rid, [(text, ids)], sp, req.priority)
+        meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
+        if req.stream:
+            inc = req.stream_options is not None and req.stream_options.include_usage
+            return SSEStream(self._stream(streams, meta, "chat.completion.chunk", inc, sp,
+                                          chat=True), streams)
+        outs = await _collect(streams)
+        c = outs[0].outputs[0]
+        return {**meta, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason}],
+                "usage": _usage(outs)}
+
+    def render_chat(self, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+        msgs = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"messages[{i}].content: only text parts are "
+                                            f"supported", "messages")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ApiError(400, "the rendered prompt is empty", "messages")
+        return text, ids
+
+    # ---- SSE --------------------------------------------------------------------------------
+    async def _stream(self, streams: list[RequestStream], meta: dict, obj: str,
+                      include_usage: bool, sp: SamplingParams, chat: bool) -> AsyncIterator[str]:
+        holdback = max((len(s) for s in sp.stop), default=1) - 1
+        sent = [0] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(i: int, text: str | None, finish: str | None, stop_reason=None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if finish is not None:
+                c["stop_reason"] = stop_reason
+            return _sse({**meta, "object": obj, "choices": [c], **extra})
+
+        try:
+            first = True
+            async for i, out in _merge(streams):
+                if chat and first:      # as vLLM: the role chunk comes with the first output
+                    first = False
+                    yield _sse({**meta, "object": obj, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}], **extra})
+                c = out.outputs[0]
+                end = len(c.text) if out.finished else max(len(c.text) - holdback, sent[i])
+                delta = c.text[sent[i]:end]
+                sent[i] = end
+                if out.finished:
+                    finals[i] = out
+                    yield chunk(i, delta if delta or not chat else None, c.finish_reason,
+                                c.stop_reason)
+                elif delta:
+                    yield chunk(i, delta, None)
+            if include_usage:
+                yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
+        except EngineDeadError as e:
+            yield _sse(ApiError(500, str(e), None, type="server_error").body())
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _usage(outs: list[RequestOutput | None]) -> dict:
+    p = sum(len(o.prompt_token_ids) for o in outs if o is not None)
+    c = sum(len(o.outputs[0].token_ids) for o in outs if o is not None)
+    return usage(p, c)
+
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in _merge(streams):
+            last[i] = out
+    finally:
+        for s in streams:
+            s.close()
+    return last     # type: ignore[return-value]
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as they come; one stream needs no tasks."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:      # handed to the consumer, which raises it
+            q.put_nowait((i, e))
+            return
+        q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

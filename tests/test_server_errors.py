@@ -1,0 +1,151 @@
+"""Bad input gets a 4xx with an OpenAI-style error object naming the problem, and the server keeps
+serving (health, a normal request, an idle engine with every KV block free afterwards)."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import running_server, wait_idle
+
+OK = {"model": "tiny", "prompt": "The cat", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LONG = list(range(3, 303))          # 300 token ids > max_model_len 256
+
+# (name, path, body (dict, or bytes sent as-is), status, param or None, words in the message)
+CASES = [
+    ("prompt too long", "/v1/completions", {**OK, "prompt": LONG}, 400, "prompt",
+     "maximum context length"),
+    ("prompt text too long", "/v1/completions", {**OK, "prompt": "The cat sees a dog. " * 80},
+     400, "prompt", "maximum context length"),
+    ("prompt + max_tokens too long", "/v1/completions", {**OK, "max_tokens": 255}, 400,
+     "max_tokens", "maximum context length"),
+    ("chat too long", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "The cat sees a dog. " * 80}]}, 400,
+     "messages", "maximum context length"),
+    ("max_tokens 0", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {**OK, "max_tokens": -3}, 400, "max_tokens",
+     "max_tokens"),
+    ("max_completion_tokens 0", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0},
+     400, "max_completion_tokens", "max_completion_tokens"),
+    ("temperature < 0", "/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature",
+     "temperature"),
+    ("temperature NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400,
+     "temperature", "temperature"),
+    ("top_p 0", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p", "top_p"),
+    ("top_p > 1", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("top_p > 1 chat", "/v1/chat/completions", {**CHAT, "top_p": 2}, 400, "top_p", "top_p"),
+    ("top_k < -1", "/v1/completions", {**OK, "top_k": -2}, 400, "top_k", "top_k"),
+    ("min_tokens > max_tokens", "/v1/completions", {**OK, "min_tokens": 9}, 400, "min_tokens",
+     "min_tokens"),
+    ("empty stop string", "/v1/completions", {**OK, "stop": [""]}, 400, "stop", "stop"),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, 404, "model", "gpt-9"),
+    ("unknown model chat", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model",
+     "gpt-9"),
+    ("malformed JSON", "/v1/completions", b'{"prompt": "x",', 400, None, "JSON"),
+    ("not UTF-8", "/v1/completions", b'\xff\xfe{}', 400, None, "JSON"),
+    ("body not an object", "/v1/completions", b'["x"]', 400, None, "object"),
+    ("empty body", "/v1/chat/completions", b"", 400, None, "JSON"),
+    ("prompt missing", "/v1/completions", {"model": "tiny"}, 400, "prompt", "required"),
+    ("messages missing", "/v1/chat/completions", {"model": "tiny"}, 400, "messages", "required"),
+    ("prompt int", "/v1/completions", {**OK, "prompt": 5}, 400, "prompt", "prompt"),
+    ("max_tokens string", "/v1/completions", {**OK, "max_tokens": "16"}, 400, "max_tokens",
+     "integer"),
+    ("max_tokens float", "/v1/completions", {**OK, "max_tokens": 1.5}, 400, "max_tokens",
+     "integer"),
+    ("temperature string", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature",
+     "valid number"),
+    ("stream string", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream", "bool"),
+    ("stop int", "/v1/completions", {**OK, "stop": 5}, 400, "stop", "stop"),
+    ("messages string", "/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages",
+     "messages"),
+    ("messages empty", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages",
+     "messages"),
+    ("message without role", "/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]},
+     400, "messages", "role"),
+    ("image content part", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "text"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt", "empty"),
+    ("empty prompt list", "/v1/completions", {**OK, "prompt": []}, 400, "prompt", "empty"),
+    ("token id out of vocab", "/v1/completions", {**OK, "prompt": [1, 99999]}, 400, "prompt",
+     "99999"),
+    ("negative token id", "/v1/completions", {**OK, "prompt": [-1]}, 400, "prompt", "-1"),
+    ("n=2", "/v1/completions", {**OK, "n": 2}, 400, "n", "n must be 1"),
+    ("logprobs", "/v1/completions", {**OK, "logprobs": 3}, 400, "logprobs", "logprobs"),
+    ("presence_penalty", "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0}, 400,
+     "presence_penalty", "presence_penalty"),
+    ("stream_options type", "/v1/completions",
+     {**OK, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options",
+     "bool"),
+    ("tokenize nothing", "/tokenize", {}, 400, "prompt", "prompt"),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [99999]}, 400, "tokens", "99999"),
+    ("detokenize wrong type", "/detokenize", {"tokens": "abc"}, 400, "tokens", "tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with running_server(tiny_llama) as s:
+        yield s
+
+
+def _post(url, body, **kw):
+    if isinstance(body, bytes):
+        return httpx.post(url, content=body, headers={"Content-Type": "application/json"},
+                          timeout=30, **kw)
+    return httpx.post(url, json=body, timeout=30, **kw)
+
+
+def _check_error(r, status, param=None, words=""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert words.lower() in err["message"].lower(), err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("name,path,body,status,param,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_4xx(server, name, path, body, status, param, words):
+    err = _check_error(_post(server.url + path, body), status, param, words)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_oversized_body_413(server):
+    big = json.dumps({**OK, "prompt": "x" * (2 << 20)}).encode()
+    _check_error(_post(server.url + "/v1/completions", big), 413, None, "limit")
+
+    def chunks():       # no Content-Length: caught while reading
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"y" * 65536
+        yield b'"}'
+    _check_error(httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30), 413,
+                 None, "limit")
+
+
+def test_wrong_method_and_unknown_route(server):
+    _check_error(httpx.get(server.url + "/v1/completions"), 405)
+    _check_error(httpx.get(server.url + "/v1/nothing-here"), 404)
+
+
+def test_openai_client_sees_the_error_object(server):
+    c = openai.OpenAI(api_key="none", base_url=server.url + "/v1", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert ei.value.status_code == 400 and "max_tokens" in ei.value.message
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_server_keeps_serving_after_bad_input(server):
+    for _, path, body, *_ in CASES:     # all of them again, back to back
+        assert 400 <= _post(server.url + path, body).status_code < 500
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json=OK, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    st = wait_idle(server.llm)
+    assert st["unfinished"] == 0 and st["free_blocks"] == st["num_blocks"]
