@@ -24,8 +24,14 @@ IN_LEN="${IN_LEN:-128}"
 OUT_LEN="${OUT_LEN:-64}"
 CONCURRENCY="${CONCURRENCY:-32}"
 PORT="${PORT:-8123}"
+TAG="${TAG:-}"           # appended to result names, e.g. _r2 for a second round
 NAME=SmolLM2-135M-Instruct
 mkdir -p "$OUT"
+# The box is shared: log the load average every 10 s next to the results.
+( while sleep 10; do echo "$(date -u +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg)"; done \
+    >> "$OUT/loadavg${TAG}.log" ) &
+SAMPLER=$!
+trap 'kill $SAMPLER 2>/dev/null || true' EXIT
 
 wait_idle() {   # up to WAIT_IDLE x 5 s for the 1-minute load average to fall below 1.5
     for _ in $(seq "${WAIT_IDLE:-60}"); do
@@ -47,28 +53,28 @@ wait_up() {
 for server in $SERVERS; do
     if [ "$server" = kvflow ]; then
         "$PY" -m kvflow.cli serve --port "$PORT" --dtype float32 --log-level warning \
-            > "$OUT/kvflow_server.log" 2>&1 &
+            > "$OUT/kvflow_server${TAG}.log" 2>&1 &
     else
         [ -f "$HF_DIR/model.safetensors" ] || \
             PYTHONPATH="$ROOT" "$PY" benchmarks/gguf_to_hf.py "$HF_DIR" --dtype float32
         HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
             "$VPY" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
             --served-model-name "$NAME" --host 127.0.0.1 --port "$PORT" --dtype float32 \
-            > "$OUT/vllm_server.log" 2>&1 &
+            > "$OUT/vllm_server${TAG}.log" 2>&1 &
     fi
     pid=$!
-    trap 'kill -INT $pid 2>/dev/null || true' EXIT
+    trap 'kill -INT $pid 2>/dev/null || true; kill $SAMPLER 2>/dev/null || true' EXIT
     wait_up "$pid"
     for rate in $RATES; do
         wait_idle
-        echo "== $server rate $rate (load $(cut -d' ' -f1 /proc/loadavg))"
+        echo "== $server rate $rate (load $(cut -d' ' -f1 /proc/loadavg), $(date -u +%H:%M:%S))"
         "$PY" -m kvflow.cli bench serve --port "$PORT" --model "$NAME" --dataset-name random \
             --num-prompts "$NUM_PROMPTS" --random-input-len "$IN_LEN" \
             --random-output-len "$OUT_LEN" --request-rate "$rate" \
             --max-concurrency "$CONCURRENCY" --ignore-eos --seed 0 \
-            --result-file "$OUT/${server}_rate${rate}.json"
+            --result-file "$OUT/${server}_rate${rate}${TAG}.json"
     done
     kill -INT "$pid"
     wait "$pid" || true
-    trap - EXIT
+    trap 'kill $SAMPLER 2>/dev/null || true' EXIT
 done

@@ -137,6 +137,12 @@ def test_prompts_have_the_requested_length(tiny_tokenizer_dir):
     assert [r.prompt for r in again] == [r.prompt for r in reqs]       # seeded
     with pytest.raises(ValueError, match="trace"):
         sample_requests(tok, "random", 2, request_rate="trace")
+    arr, p, o, _ = trace_lengths("azure-conv", 5, 256, None)
+    reqs, info = sample_requests(tok, "azure-conv", 5, request_rate="trace", max_model_len=256)
+    assert [r.arrival for r in reqs] == pytest.approx(arr.tolist())
+    assert [r.expected_output_len for r in reqs] == o.tolist()
+    assert all(abs(r.prompt_len - n) <= 2 for r, n in zip(reqs, p.tolist()))
+    assert info["length_scale"] < 1
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +191,15 @@ def test_bench_serve_reports_a_wrong_key(server, tiny_llama, capsys):
                "--random-input-len", "8", "--random-output-len", "2"])
     assert rc == 2
     assert "initial test request failed: HTTP 401" in capsys.readouterr().err
+
+
+def test_bench_serve_azure_trace_lengths(server, tiny_llama, tmp_path):
+    out = tmp_path / "azure.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", tiny_llama,
+               "--api-key", "bench-key", "--dataset-name", "azure-code", "--num-prompts", "6",
+               "--request-rate", "inf", "--ignore-eos", "--no-warmup", "--result-file", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    _, _, out_lens, scale = trace_lengths("azure-code", 6, 256, None)   # 256: from /v1/models
+    assert r["completed"] == 6 and r["length_scale"] == pytest.approx(scale)
+    assert r["total_output_tokens"] == int(out_lens.sum())
