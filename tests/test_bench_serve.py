@@ -137,6 +137,14 @@ def test_prompts_have_the_requested_length(tiny_tokenizer_dir):
     assert [r.prompt for r in again] == [r.prompt for r in reqs]       # seeded
     with pytest.raises(ValueError, match="trace"):
         sample_requests(tok, "random", 2, request_rate="trace")
+
+
+@needs_traces
+def test_trace_prompts_follow_the_trace(tiny_tokenizer_dir):
+    from tokenizers import Tokenizer as HF
+
+    from kvflow.engine.tokenizer import Tokenizer
+    tok = Tokenizer(HF.from_file(f"{tiny_tokenizer_dir}/tokenizer.json"))
     arr, p, o, _ = trace_lengths("azure-conv", 5, 256, None)
     reqs, info = sample_requests(tok, "azure-conv", 5, request_rate="trace", max_model_len=256)
     assert [r.arrival for r in reqs] == pytest.approx(arr.tolist())
@@ -193,6 +201,7 @@ def test_bench_serve_reports_a_wrong_key(server, tiny_llama, capsys):
     assert "initial test request failed: HTTP 401" in capsys.readouterr().err
 
 
+@needs_traces
 def test_bench_serve_azure_trace_lengths(server, tiny_llama, tmp_path):
     out = tmp_path / "azure.json"
     rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", tiny_llama,
