@@ -301,7 +301,9 @@ class AsyncLLM:
                 stats.finished_requests.append(
                     _finished_stats(st, o.outputs[0].finish_reason or "stop", t1))
 
-    def _publish(self, out: list, stats: IterationStats) -> None:
+    @staticmethod
+    def _send(out: list) -> None:
+        """Hand (stream, item) pairs to their event loops, one callback per loop."""
         by_loop: dict = {}
         for st, item in out:
             by_loop.setdefault(st.loop, []).append((st.queue, item))
@@ -310,6 +312,9 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:        # that loop is closed: nobody is listening
                 pass
+
+    def _publish(self, out: list, stats: IterationStats) -> None:
+        self._send(out)
         stats.scheduler_stats = self.engine.scheduler.make_stats()
         for logger in self.stat_loggers:
             try:
@@ -327,14 +332,7 @@ class AsyncLLM:
                 fut.set_exception(err)
         out = [(st, err) for st in self._streams.values()]
         self._streams.clear()
-        by_loop: dict = {}
-        for st, item in out:
-            by_loop.setdefault(st.loop, []).append((st.queue, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:
-                pass
+        self._send(out)
 
 
 class RequestStream:
