@@ -46,6 +46,7 @@ class AttentionBackend:
 # A padded batch of prefills is used while its padding wastes at most this factor of work;
 # beyond it (one long prompt among short ones) each prefill runs on its own.
 _MAX_PAD_WASTE = 2.0
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -58,6 +59,14 @@ class TorchAttentionBackend(AttentionBackend):
     """
     name = "torch"
 
+    def __init__(self, use_kernels: bool | None = None) -> None:
+        # Decodes go to kvflow's native paged-decode kernel when it is built (cpu_ops.py): it
+        # reads K/V through the block table instead of gathering a dense copy for SDPA.
+        if use_kernels is None:
+            from kvflow.model import cpu_ops
+            use_kernels = cpu_ops.available()
+        self.use_kernels = use_kernels
+
     def prepare(self, meta: AttentionMetadata) -> None:
         ex = meta.extra
         ex.clear()
@@ -65,12 +74,11 @@ class TorchAttentionBackend(AttentionBackend):
         # Reads see the layer's cache as one [2 * num_blocks, ...] tensor: V block b is row
         # num_blocks + b, so one index_select gathers K and V together.
         d = meta.num_decodes
-        if d:
-            lens = meta.seq_lens[:d]
-            nb = -(-max(lens) // bs)
-            ex["d_blocks"] = self._kv_rows(bt[:d, :nb].reshape(-1), meta)
-            key_pos = torch.arange(nb * bs)
-            ex["d_mask"] = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        if d and self.use_kernels:
+            ex["d_table"] = bt[:d]
+            ex["d_lens"] = torch.tensor(meta.seq_lens[:d], dtype=torch.long)
+        elif d:
+            self._prepare_gather(meta, ex)
         qsl, lens = meta.query_start_loc, meta.seq_lens
         pre = [(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(d, len(lens))]
         if not pre:
@@ -86,6 +94,14 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             ex["p_batched"] = None
             ex["p_single"] = [self._prepare_one(meta, p) for p in pre]
+
+    def _prepare_gather(self, meta: AttentionMetadata, ex: dict) -> None:
+        d, bs = meta.num_decodes, meta.block_size
+        lens = meta.seq_lens[:d]
+        nb = -(-max(lens) // bs)
+        ex["d_blocks"] = self._kv_rows(meta.block_table[:d, :nb].reshape(-1), meta)
+        key_pos = torch.arange(nb * bs)
+        ex["d_mask"] = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
 
     @staticmethod
     def _kv_rows(blocks: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -134,7 +150,14 @@ class TorchAttentionBackend(AttentionBackend):
         g = q.shape[1] // kvh
         d = meta.num_decodes
         out = torch.empty_like(q) if d < n else None
-        if d:
+        if d and "d_table" in ex and kv_cache.dtype in _KERNEL_DTYPES and not kv_cache.is_cuda:
+            o = torch.ops.kvflow.paged_decode(q[:d], kv_cache, ex["d_table"], ex["d_lens"], scale)
+            if d == n:
+                return o
+            out[:d] = o
+        elif d:
+            if "d_blocks" not in ex:     # kernels on, but not for this dtype: once per step
+                self._prepare_gather(meta, ex)
             keys, vals = cache.index_select(0, ex["d_blocks"]).view(2, d, -1, kvh, hd).transpose(2, 3)
             qd = q[:d].view(d, kvh, g, hd)
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=ex["d_mask"],

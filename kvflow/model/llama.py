@@ -13,7 +13,7 @@ from torch import nn
 
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding
+from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
 
 
 class Attention(nn.Module):
@@ -35,7 +35,7 @@ class Attention(nn.Module):
         """Returns residual + attention(x): the o_proj and the residual add are one addmm."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
+        qkv = linear(x, self.qkv_proj).view(t, h + 2 * kvh, d)
         qk = qkv[:, :h + kvh]
         if self.q_norm is not None:
             qkv[:, :h] = self.q_norm(qkv[:, :h])
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         RotaryEmbedding.apply_(cos_sin, qk)     # q and k heads, in place in qkv
         kv = qkv[:, h:].view(t, 2, kvh, d)      # new keys and values, side by side
         o = backend.forward(qkv[:, :h], kv, kv_cache, meta, self.scale)
-        return torch.addmm(residual, o.reshape(t, self.q_size), self.o_proj.weight.t())
+        return linear(o.reshape(t, self.q_size), self.o_proj, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -89,6 +89,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get("lm_packed")
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
         return torch.nn.functional.linear(hidden, self.lm_weight())
 
     # ---- weights -------------------------------------------------------------------------

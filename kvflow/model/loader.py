@@ -101,6 +101,7 @@ def _no_init():
 
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                 device: str = "cpu") -> tuple[ModelConfig, nn.Module, torch.dtype]:
+    from kvflow.model.layers import pack_linears
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
@@ -114,4 +115,9 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
         model.load_weights(ckpt.weights())
     model.rotary.build(dt, device)
     model.eval().requires_grad_(False)
+    if pack_linears(model, dt, device):
+        # A tied LM head is the embedding, not an nn.Linear: it is packed on its own.
+        head = model.lm_head
+        model.__dict__["lm_packed"] = (head.__dict__["packed"] if head is not None else
+                                       torch.ops.mkldnn._reorder_linear_weight(model.lm_weight(), 256))
     return cfg, model, dt

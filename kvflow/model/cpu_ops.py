@@ -1,0 +1,98 @@
+"""kvflow's native CPU kernels (csrc/*.cpp): built once with the machine's C++ compiler, cached,
+and loaded as torch ops (`torch.ops.kvflow.*`).
+
+Why native code: a decode step's attention in plain torch gathers every request's context out of
+the paged cache into a dense copy and then runs SDPA over it, so the KV bytes cross memory three
+times; the kernel reads them once, straight through the block table. Everything falls back to the
+torch path when the kernels cannot be built (no compiler) or KVFLOW_CPU_KERNELS=0 is set.
+
+Built with -march=native for the machine it runs on, so the cache key includes the CPU's flags.
+`make install` builds it ahead of time (`python -m kvflow.model.cpu_ops`) so that no engine start
+pays the ~10 s compile.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
+          "-std=c++20", "-w"]
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvflow")
+    return Path(base)
+
+
+def library_path() -> Path:
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(_FLAGS + [torch.__version__, sys.version, _cpu_flags()]).encode())
+    return _cache_dir() / f"kvflow_cpu_ops-{h.hexdigest()[:16]}.so"
+
+
+def build(out: Path) -> None:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cxx = os.environ.get("CXX", "g++")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written under a temporary name and renamed: concurrent builders never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
+           *map(str, _SOURCES), "-o", tmp, f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"building kvflow's CPU kernels failed:\n{' '.join(cmd)}\n"
+                               f"{r.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """True when torch.ops.kvflow.paged_decode can be called; builds the kernels on first use."""
+    if "ok" in _state:
+        return _state["ok"]
+    ok = False
+    if os.environ.get("KVFLOW_CPU_KERNELS", "1") != "0":
+        try:
+            path = library_path()
+            if not path.exists():
+                build(path)
+            torch.ops.load_library(str(path))
+            ok = True
+        except Exception as e:      # no compiler, read-only cache, ...: the torch path still works
+            warnings.warn(f"kvflow CPU kernels unavailable, using the torch attention path ({e})",
+                          RuntimeWarning, stacklevel=2)
+    _state["ok"] = ok
+    return ok
+
+
+if __name__ == "__main__":
+    print(f"kvflow CPU kernels: {'ready' if available() else 'NOT available'} "
+          f"({library_path()})")
