@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
           "-std=c++20", "-w"]
 _state: dict = {}

@@ -41,6 +41,19 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
     return n
 
 
+def use_cpu_kernels(model: nn.Module, dtype: torch.dtype, device: str, enable: bool = True) -> bool:
+    """Route RMSNorm and SwiGLU through kvflow's native CPU kernels (cpu_ops.py) when they are
+    built and the model is a bf16 or float32 CPU model. Returns whether they are in use."""
+    on = False
+    if enable and device == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        from kvflow.model import cpu_ops
+        on = cpu_ops.available()
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, MLP)):
+            m.use_kernels = on
+    return on
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -48,9 +61,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.shape = (dim,)
 
+    use_kernels = False     # set per model by use_cpu_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() == 2 and x.stride(1) == 1:
+            return torch.ops.kvflow.rms_norm(x, self.weight, self.eps)
         # One fused op. It multiplies by the weight before rounding to the model dtype, where HF
-        # rounds first: identical in float32, slightly more precise in bf16.
+        # rounds first: identical in float32, slightly more precise in bf16. (On CPU, bf16
+        # F.rms_norm decomposes into ~8 ops over a float32 copy, hence the kernel above.)
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
@@ -111,6 +129,7 @@ class RotaryEmbedding(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
+    use_kernels = False     # set per model by use_cpu_kernels()
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -119,5 +138,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Returns residual + mlp(x); down_proj and the residual add are one addmm."""
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up_proj)
+        if self.use_kernels:
+            return linear(torch.ops.kvflow.silu_and_mul(gate_up), self.down_proj, residual)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(F.silu(gate).mul_(up), self.down_proj, residual)

@@ -101,7 +101,7 @@ def _no_init():
 
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                 device: str = "cpu") -> tuple[ModelConfig, nn.Module, torch.dtype]:
-    from kvflow.model.layers import pack_linears
+    from kvflow.model.layers import pack_linears, use_cpu_kernels
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
@@ -115,6 +115,7 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
         model.load_weights(ckpt.weights())
     model.rotary.build(dt, device)
     model.eval().requires_grad_(False)
+    use_cpu_kernels(model, dt, device)
     if pack_linears(model, dt, device):
         # A tied LM head is the embedding, not an nn.Linear: it is packed on its own.
         head = model.lm_head

@@ -1,0 +1,123 @@
+"""kvflow's native CPU kernels (kvflow/model/csrc/cpu_kernels.cpp) against plain torch.
+
+The kernels are built with the machine's C++ compiler; where there is one, a build failure fails
+these tests (no silent fallback). Tolerances: float32 agrees to ~1e-6 (only summation order
+differs); bf16 outputs are rounded once from float32 math in both, so they agree to one bf16 ulp.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow import LLM, SamplingParams
+from kvflow.model import cpu_ops
+from model_fixtures import hf_greedy
+
+if shutil.which("g++") is None and shutil.which("c++") is None:
+    pytest.skip("no C++ compiler: kvflow uses its torch fallbacks", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_ops.available(), "kvflow's CPU kernels failed to build (see the warning)"
+
+
+def _ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:       # one bf16 ulp (2^-8 relative) plus a little absolute slack near zero
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def _reference_decode(q, cache, table, lens, scale):
+    """Gather each request's context through its block table and attend in float32."""
+    _, nb, bs, kvh, d = cache.shape
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        slots = torch.tensor([table[i, t // bs] * bs + t % bs for t in range(n)])
+        k = cache[0].reshape(-1, kvh, d)[slots].float().transpose(0, 1)     # [kvh, n, d]
+        v = cache[1].reshape(-1, kvh, d)[slots].float().transpose(0, 1)
+        g = q.shape[1] // kvh
+        qi = q[i].float().view(kvh, g, d)
+        p = torch.softmax(qi @ k.transpose(1, 2) * scale, dim=-1)
+        out.append((p @ v).reshape(kvh * g, d))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 16), (6, 2, 16), (8, 1, 8),
+                                                       (12, 4, 4)])
+def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + kv_heads)
+    d, num_blocks = 64, 97
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 5 * block_size - 3, 9 * block_size])
+    width = -(-int(lens.max()) // block_size)
+    # Every request's blocks scattered over the cache, in no order (non-contiguous tables).
+    perm = torch.randperm(num_blocks, generator=g)
+    table = perm[:len(lens) * width].view(len(lens), width).contiguous()
+    # q as the runner passes it: a strided slice of a fused qkv tensor.
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g).to(dtype)
+    q = qkv[:, :heads]
+    scale = d ** -0.5
+    out = torch.ops.kvflow.paged_decode(q, cache, table, lens, scale)
+    ref = _reference_decode(q, cache, table, lens, scale)
+    _ulp_close(out, ref.to(dtype), dtype)
+
+
+def test_paged_decode_rejects_bad_inputs():
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.zeros(1, 4, 64)
+    table, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.kvflow.paged_decode(q.bfloat16(), cache, table, lens, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.kvflow.paged_decode(q, cache, table.int(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.kvflow.paged_decode(torch.zeros(1, 3, 64), cache, table, lens, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf_formula(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 200, generator=g) * 3).to(dtype)
+    w = torch.randn(200, generator=g).to(dtype)
+    eps = 1e-6
+    x32 = x.float()
+    ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    _ulp_close(torch.ops.kvflow.rms_norm(x, w, eps), ref, dtype)
+    # A strided row view (the runner never passes one today, the kernel must still be right).
+    wide = torch.randn(37, 400, generator=g).to(dtype)
+    x2 = wide[:, :200]
+    ref2 = w * (x2.float() * torch.rsqrt(x2.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    _ulp_close(torch.ops.kvflow.rms_norm(x2, w, eps), ref2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(29, 2 * 300, generator=g) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])        # exp overflow, zeros
+    gate, up = x.chunk(2, dim=-1)
+    _ulp_close(torch.ops.kvflow.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+def test_engine_with_and_without_kernels_matches_hf(tiny_qwen3, monkeypatch):
+    """The whole engine on the kernels and on the torch fallbacks: both must equal HF greedy,
+    through a chunked prefill (budget 7) that continues cached prefixes and through decodes."""
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 500) for _ in range(20)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 30)]
+    ref = hf_greedy(tiny_qwen3, prompts, 10)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for on in (True, False):
+        monkeypatch.setitem(cpu_ops._state, "ok", on)
+        llm = LLM(tiny_qwen3, dtype="float32", max_num_batched_tokens=7, block_size=4)
+        runner = llm.llm_engine.runner
+        assert runner.backend.use_kernels is on
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref, f"kernels={on}"
