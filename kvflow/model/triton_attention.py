@@ -230,7 +230,8 @@ def _decode_reduce_kernel(o_ptr, po_ptr, plse_ptr, s_o_b, s_o_head, H: tl.conste
     row = (b * H + h) * SPLITS + s
     lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    top = tl.where(top > float("-inf"), top, 0.0)      # all splits empty: every weight is 0
+    w = tl.exp2(lse - top)
     d = tl.arange(0, DP)
     po = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :],
                  other=0.0)

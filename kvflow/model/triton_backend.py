@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.h2d import upload
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -24,24 +25,15 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("attention_backend='triton' on device 'cpu' runs only under the "
                              "Triton interpreter: set TRITON_INTERPRET=1 before kvflow imports "
                              "triton (slow; meant for tests)")
-        self.pin = self.device.type == "cuda"
-
-    def _to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if x.device == self.device:
-            return x.to(dtype).contiguous()
-        x = x.to(dtype).contiguous()
-        # A pinned source lets the copy overlap; torch's caching host allocator keeps the block
-        # alive until the copy has run.
-        return (x.pin_memory() if self.pin else x).to(self.device, non_blocking=True)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         ex = meta.extra
         ex.clear()
         n_req, d = len(meta.seq_lens), meta.num_decodes
-        ints = self._to_device(torch.tensor(meta.query_start_loc + meta.seq_lens), torch.int32)
+        ints = upload(meta.query_start_loc + meta.seq_lens, torch.int32, self.device)
         qsl, lens = ints[:n_req + 1], ints[n_req + 1:]
-        bt = self._to_device(meta.block_table, torch.int32)
-        ex["slots"] = self._to_device(meta.slot_mapping, torch.int64)
+        bt = upload(meta.block_table, torch.int32, self.device)
+        ex["slots"] = upload(meta.slot_mapping, torch.int64, self.device)
         ex["decode"] = (lens[:d], bt[:d], max(meta.seq_lens[:d])) if d else None
         ex["prefill"] = None
         if d < n_req:
