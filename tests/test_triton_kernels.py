@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported, here or by kvflow
 
 import pytest  # noqa: E402
@@ -30,6 +31,16 @@ from kvflow.model import triton_attention as ops  # noqa: E402
 from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from kvflow.model.triton_backend import TritonAttentionBackend  # noqa: E402
 from model_fixtures import hf_greedy  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_env():
+    """The kernels were decorated at import; later tests need not see the variable."""
+    yield
+    if _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 D = 16
