@@ -86,3 +86,14 @@ def test_cli_flags_reach_engine_args():
     EngineArgs(**kw)
     serve = engine_kwargs(build_parser().parse_args(["serve", "--device", "cpu"]))
     assert serve["device"] == "cpu" and serve["enforce_eager"] is False
+
+
+def test_the_cpu_path_never_imports_triton():
+    code = ("import sys\n"
+            "from kvflow import LLM, EngineArgs\n"
+            "import kvflow.engine.llm_engine, kvflow.model.runner, kvflow.cli\n"
+            "from kvflow.model.backends import make_backend, resolve_attention_backend\n"
+            "EngineArgs(device='auto')\n"
+            "make_backend(resolve_attention_backend('auto', 'cpu'), 'cpu')\n"
+            "assert 'triton' not in sys.modules, 'triton was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

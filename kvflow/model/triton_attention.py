@@ -156,7 +156,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           block_table.stride(0), G=g, D=d, DP=_dp(d), BS=k_cache.shape[1],
                           BLOCK_M=block_m, TOKS=toks, TILE_N=64, UPCAST=INTERPRETED,
-                          PREC=_prec(q.dtype))
+                          PREC=_prec(q.dtype), num_warps=4, num_stages=_stages(q.dtype))
     return out
 
 
@@ -289,6 +289,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _dp(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
+
+
+def _stages(dtype: torch.dtype) -> int:
+    # float32 K and V tiles of 64 x 128 are 32 KiB each: three stages would not fit in
+    # shared memory next to Q.
+    return 2 if dtype == torch.float32 else 3
 
 
 def _prec(dtype: torch.dtype) -> str:
