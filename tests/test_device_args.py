@@ -97,3 +97,24 @@ def test_the_cpu_path_never_imports_triton():
             "make_backend(resolve_attention_backend('auto', 'cpu'), 'cpu')\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cuda_sampler_draws_what_the_cpu_sampler_draws_for_seeded_and_greedy_rows():
+    """Run on CPU tensors: seeded rows use the request's own CPU generator on both paths, so the
+    tokens are identical; greedy rows are the argmax."""
+    from kvflow import SamplingParams
+    from kvflow.model.cuda_sampler import CudaSampler
+    from kvflow.model.sampler import Sampler
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.0, top_k=5, seed=2),
+              SamplingParams(temperature=0.9, top_p=0.5, seed=3)]
+
+    def gens():
+        return [None] + [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+
+    want = Sampler(0)(logits, params, gens())
+    got = CudaSampler(0, "cpu")(logits, params, gens())
+    assert got == want and got[0] == int(logits[0].argmax())
+    assert CudaSampler(0, "cpu")(logits, [SamplingParams(temperature=0)] * 4,
+                                 [None] * 4) == logits.argmax(-1).tolist()

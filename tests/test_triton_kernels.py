@@ -34,7 +34,8 @@ from model_fixtures import hf_greedy  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_env():
-    """The kernels were decorated at import; later tests need not see the variable."""
+    """Interpreted kernels need the variable while they run (triton reads it at launch too);
+    after this module's tests nothing does."""
     yield
     if _SAVED_INTERPRET is None:
         os.environ.pop("TRITON_INTERPRET", None)
