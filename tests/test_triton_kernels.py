@@ -23,7 +23,13 @@ os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported, here or
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton")
+try:
+    import triton  # noqa: F401
+except ImportError:         # skipped, as importorskip would, leaving the environment as it was
+    triton = None
+    if _SAVED_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    pytest.skip("triton is not installed", allow_module_level=True)
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.engine import EngineArgs, LLMEngine  # noqa: E402
@@ -32,15 +38,23 @@ from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend  # n
 from kvflow.model.triton_backend import TritonAttentionBackend  # noqa: E402
 from model_fixtures import hf_greedy  # noqa: E402
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_env():
-    """Interpreted kernels need the variable while they run (triton reads it at launch too);
-    after this module's tests nothing does."""
-    yield
+
+def _restore_interpret() -> None:
     if _SAVED_INTERPRET is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+_restore_interpret()        # the kernels are decorated; other modules' tests never see it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpret():
+    """Interpreted kernels need the variable while they run (triton reads it at launch too)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    _restore_interpret()
 
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
