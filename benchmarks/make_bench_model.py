@@ -43,18 +43,18 @@ def is_complete(out: str) -> bool:
     return all(os.path.isfile(os.path.join(out, f)) for f in REQUIRED)
 
 
-def write_tokenizer(out: str) -> None:
+def write_tokenizer(out: str, size: int = VOCAB, max_len: int = MAX_POS) -> None:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     vocab = {t: i for i, t in enumerate(SPECIAL)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB
+    assert tok.get_vocab_size(with_added_tokens=True) == size
     tok.save(os.path.join(out, "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": MAX_POS,
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
                    "add_bos_token": False, "add_eos_token": False,
                    "clean_up_tokenization_spaces": False, **special}, f, indent=2)
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:

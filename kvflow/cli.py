@@ -25,12 +25,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="auto: cuda when torch sees a GPU")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on cuda, torch on cpu")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="cuda: share of GPU memory for weights, activations and the KV cache")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: run decode steps eagerly (no CUDA graphs)")
 
 
 _ENGINE_KEYS = ("dtype", "seed", "num_threads", "kv_cache_memory", "num_blocks", "block_size",
                 "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                 "enable_prefix_caching", "enable_chunked_prefill",
-                "long_prefill_token_threshold", "policy")
+                "long_prefill_token_threshold", "policy", "device", "attention_backend",
+                "gpu_memory_utilization", "enforce_eager")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

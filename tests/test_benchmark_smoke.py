@@ -32,3 +32,30 @@ def test_throughput_benchmark_runs_kvflow_and_hf(tmp_path, tiny_llama):
     import json
     summary = json.loads(out.read_text())["summary"]
     assert summary["kvflow"]["output_tok_s"] > 0 and summary["hf"]["output_tok_s"] > 0
+
+
+def test_nano_bench_runs_tiny_on_cpu_with_hf_and_roofline(tmp_path):
+    out = tmp_path / "n.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nano_bench.py"), "--tiny",
+                          "--device", "cpu", "--num-seqs", "4", "--max-input", "64",
+                          "--max-output", "16", "--hf", "--roofline", "--hbm-gbps", "20",
+                          "--model-dir", str(tmp_path / "m"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    import json
+    r = json.loads(out.read_text())
+    assert r["workload"]["output_tokens"] == r["kvflow"]["output_tokens"] == 4 * 16
+    assert r["kvflow"]["decode_steps"] > 0 and 0 < r["kvflow"]["roofline_fraction"]
+    assert r["hf"]["output_tok_s"] > 0
+    assert "roofline:" in res.stdout and "kvflow / HF" in res.stdout
+
+
+def test_nano_bench_default_workload_is_nano_vllms():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nano_bench", ROOT / "benchmarks" / "nano_bench.py")
+    nano = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nano)
+    prompts, max_tokens = nano.make_workload(256, 1024, 1024, 0)
+    assert sum(max_tokens) == nano.NANO_OUTPUT_TOKENS == 133_966
+    assert all(100 <= len(p) <= 1024 for p in prompts) and max(max(p) for p in prompts) <= 10000

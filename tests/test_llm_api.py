@@ -274,7 +274,10 @@ def test_unknown_engine_arg_is_a_type_error(tiny_llama):
 
 @pytest.mark.parametrize("kw,name", [
     (dict(dtype="float64"), "dtype"), (dict(policy="lifo"), "policy"),
-    (dict(device="cuda"), "cuda"),
+    pytest.param(dict(device="cuda"), "cuda", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a GPU is present")),
+    (dict(device="tpu"), "device"), (dict(attention_backend="flash"), "attention_backend"),
+    (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(num_threads=0), "num_threads"), (dict(block_size=3.5), "block_size"),
     (dict(watermark=2.0), "watermark"), (dict(num_blocks=-1), "num_blocks"),
     (dict(max_model_len=9999), "max_model_len"), (dict(kv_cache_memory=0), "kv_cache_memory"),

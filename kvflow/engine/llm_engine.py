@@ -13,6 +13,8 @@ from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.tokenizer import Tokenizer
+from kvflow.model.backends import (check_attention_backend, check_device, make_backend,
+                                   resolve_attention_backend, resolve_device)
 from kvflow.model.loader import build_model, open_checkpoint
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
 from kvflow.sampling_params import SamplingParams
@@ -38,7 +40,10 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     watermark: float = 0.0
-    device: str = "cpu"
+    device: str = "cpu"                     # "cpu" | "cuda" | "auto" (cuda when available)
+    attention_backend: str = "auto"         # "torch" | "triton" | "auto" (triton on cuda)
+    gpu_memory_utilization: float = 0.9     # cuda: share of GPU memory kvflow may fill
+    enforce_eager: bool = False             # cuda: no CUDA graphs for decode batches
 
     def __post_init__(self) -> None:
         # Checked here, before any work, so each error names the argument the user gave.
@@ -49,6 +54,13 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_int("seed", self.seed, 0)
+        check_device(self.device)
+        check_attention_backend(self.attention_backend)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path, got {type(self.model).__name__}")
 
@@ -69,12 +81,14 @@ class _State:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
-        if args.device not in ("cpu", "auto"):
-            raise ValueError(f"device {args.device!r} is not supported by this build (cpu only)")
+        device = resolve_device(args.device)
+        backend_name = resolve_attention_backend(args.attention_backend, device)
+        backend = make_backend(backend_name, device)    # its errors come before any loading
+        self.device, self.attention_backend = device, backend_name
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         ckpt = open_checkpoint(args.model)
-        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len)
+        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device)
         self.model_config, self.dtype = cfg, dtype
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         max_len = args.max_model_len or cfg.max_position_embeddings
@@ -87,7 +101,12 @@ class LLMEngine:
         num_blocks = args.num_blocks
         if num_blocks is None:
             mem = args.kv_cache_memory
-            if mem is None:     # no more than the longest batch could ever hold
+            if mem is None and device == "cuda":
+                from kvflow.model.cuda_runner import profile_kv_cache_memory
+                mem = profile_kv_cache_memory(model, cfg, dtype, backend, args.block_size,
+                                              budget, args.max_num_seqs, max_len,
+                                              args.gpu_memory_utilization)
+            elif mem is None:     # no more than the longest batch could ever hold
                 need = cfg.kv_bytes_per_token(dtype.itemsize) * max_len * args.max_num_seqs
                 mem = min(_DEFAULT_KV_CACHE_MEMORY, need)
             num_blocks = num_blocks_for_memory(cfg, dtype, args.block_size, mem)
@@ -99,7 +118,14 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
             watermark=args.watermark)
         self.scheduler = Scheduler(self.scheduler_config)
-        self.runner = ModelRunner(model, cfg, dtype, args.block_size, num_blocks, seed=args.seed)
+        if device == "cuda":
+            from kvflow.model.cuda_runner import CudaModelRunner
+            self.runner = CudaModelRunner(model, cfg, dtype, args.block_size, num_blocks, backend,
+                                          args.seed, args.max_num_seqs, max_len,
+                                          args.enforce_eager)
+        else:
+            self.runner = ModelRunner(model, cfg, dtype, args.block_size, num_blocks, backend,
+                                      seed=args.seed)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None))
         # Models with several end tokens (e.g. Llama 3) stop on all of them.

@@ -45,7 +45,9 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str =
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
     want = _DTYPES.get(checkpoint_dtype, torch.float32)
-    if device == "cpu" and want in (torch.bfloat16, torch.float16):
+    if device != "cpu":     # GPUs: half precision, bf16 unless the checkpoint is float16
+        return torch.float16 if want == torch.float16 else torch.bfloat16
+    if want in (torch.bfloat16, torch.float16):
         return torch.bfloat16 if bf16_is_fast() else torch.float32
     return want
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,19 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]                    # flat KV slot of each token
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]             # each request's block ids
+    num_decodes: int
+    logits_rows: list[int]              # rows whose logits are sampled
+    sample_reqs: list[Request]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend | None = None,
@@ -66,24 +80,14 @@ class ModelRunner:
         for rid in request_ids:
             self.generators.pop(rid, None)
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      requests: dict[str, Request]) -> dict[str, list[int]]:
-        if so.total_num_scheduled_tokens == 0:
-            return {}
+    def gather_inputs(self, so: SchedulerOutput, requests: dict[str, Request]) -> StepInputs:
+        """The step's flat inputs as Python lists, decodes (one query token) first: the attention
+        backend batches them as one group."""
         bs = self.block_size
         items = so.num_scheduled_tokens.items()
-        # Decodes (one query token) first: the attention backend batches them as one group.
         order = [rid for rid, n in items if n == 1] + [rid for rid, n in items if n != 1]
-        num_decodes = sum(1 for _, n in items if n == 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        st = StepInputs([], [], [], [0], [], [], sum(1 for _, n in items if n == 1), [], [])
+        input_ids, positions, slots, qsl = st.input_ids, st.positions, st.slots, st.query_start_loc
         for rid in order:
             req = requests[rid]
             n = so.num_scheduled_tokens[rid]
@@ -100,23 +104,33 @@ class ModelRunner:
                 positions.extend(pos)
                 slots.extend([table[p // bs] * bs + p % bs for p in pos])
             qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            tables.append(table)
+            st.seq_lens.append(end)
+            st.tables.append(table)
             if end == len(req.all_token_ids):
-                logits_rows.append(qsl[-1] - 1)
-                sample_reqs.append(req)
+                st.logits_rows.append(qsl[-1] - 1)
+                st.sample_reqs.append(req)
+        return st
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput,
+                      requests: dict[str, Request]) -> dict[str, list[int]]:
+        if so.total_num_scheduled_tokens == 0:
+            return {}
+        st = self.gather_inputs(so, requests)
+        tables, input_ids, logits_rows, sample_reqs = (st.tables, st.input_ids, st.logits_rows,
+                                                       st.sample_reqs)
         width = max(len(t) for t in tables)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         meta = AttentionMetadata(num_tokens=len(input_ids),
-                                 slot_mapping=torch.tensor(slots, dtype=torch.long),
-                                 query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table,
-                                 num_decodes=num_decodes, block_size=bs,
-                                 num_blocks=self.num_blocks)
+                                 slot_mapping=torch.tensor(st.slots, dtype=torch.long),
+                                 query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+                                 block_table=block_table, num_decodes=st.num_decodes,
+                                 block_size=self.block_size, num_blocks=self.num_blocks)
         self.backend.prepare(meta)
         if not sample_reqs:
             logits_rows = [len(input_ids) - 1]      # run the layers (they write KV); skip nothing
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
-                            torch.tensor(positions, dtype=torch.long), self.kv_caches,
+                            torch.tensor(st.positions, dtype=torch.long), self.kv_caches,
                             self.backend, meta, torch.tensor(logits_rows, dtype=torch.long))
         if not sample_reqs:
             return {}
@@ -140,6 +154,7 @@ class ModelRunner:
                                  block_table=torch.arange(nb)[None, :], num_decodes=int(n == 1),
                                  block_size=bs, num_blocks=self.num_blocks)
         self.backend.prepare(meta)
-        hidden = self.model(torch.tensor(token_ids), torch.arange(n), self.kv_caches,
-                            self.backend, meta, torch.arange(n))
+        dev = self.device
+        hidden = self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev),
+                            self.kv_caches, self.backend, meta, torch.arange(n, device=dev))
         return self.model.compute_logits(hidden).float()

@@ -51,11 +51,11 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) ->
     vocab = x.shape[1]
     sorted_x, idx = x.sort(dim=-1, descending=False)
     if any(k > 0 for k in top_k):
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=x.device)
         kth = sorted_x.gather(1, (vocab - k)[:, None])      # the k-th largest value
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=x.dtype)
+        p = torch.tensor(top_p, dtype=x.dtype, device=x.device)
         cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
         # Drop the low tail whose mass is at most 1 - p; the top token always stays.
         drop = cum <= (1 - p)[:, None]

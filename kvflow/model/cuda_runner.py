@@ -1,0 +1,124 @@
+"""The model runner on a CUDA device: inputs from pinned host memory copied without blocking,
+decode-only steps replayed from CUDA graphs, a sampler whose only sync is the final token ids,
+and the KV cache sized from gpu_memory_utilization after a profiling forward pass.
+
+The CPU path (runner.ModelRunner) is unchanged; this subclass reuses its input gathering.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvflow.core.outputs import SchedulerOutput
+from kvflow.core.request import Request
+from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.config import ModelConfig
+from kvflow.model.cuda_sampler import CudaSampler
+from kvflow.model.h2d import upload
+from kvflow.model.runner import ModelRunner
+
+_GIB = 1 << 30
+
+
+class CudaModelRunner(ModelRunner):
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                 block_size: int, num_blocks: int, backend: AttentionBackend, seed: int,
+                 max_num_seqs: int, max_model_len: int, enforce_eager: bool,
+                 device: str = "cuda") -> None:
+        # device="cpu" (with the triton backend under TRITON_INTERPRET=1) exists for tests.
+        super().__init__(model, cfg, dtype, block_size, num_blocks, backend, seed=seed,
+                         device=device)
+        self.sampler = CudaSampler(seed, self.device)
+        self.graphs = None
+        if not enforce_eager:       # captured now: after the warm-up, with the KV cache in place
+            from kvflow.model.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+
+    def _up(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return upload(data, dtype, torch.device(self.device))
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput,
+                      requests: dict[str, Request]) -> dict[str, list[int]]:
+        if so.total_num_scheduled_tokens == 0:
+            return {}
+        st = self.gather_inputs(so, requests)
+        n = len(st.input_ids)
+        if self.graphs is not None and self.graphs.can_run(st):
+            hidden = self.graphs.run(st)
+            if st.sample_reqs and len(st.logits_rows) < n:
+                hidden = hidden[self._up(st.logits_rows, torch.long)]
+        else:
+            width = max(map(len, st.tables))
+            meta = AttentionMetadata(
+                num_tokens=n, slot_mapping=self._up(st.slots, torch.long),
+                query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+                block_table=self._up([t + [0] * (width - len(t)) for t in st.tables], torch.int32),
+                num_decodes=st.num_decodes, block_size=self.block_size,
+                num_blocks=self.num_blocks)
+            self.backend.prepare(meta)
+            rows = st.logits_rows or [n - 1]        # no sampler: the layers still write KV
+            hidden = self.model(self._up(st.input_ids, torch.long),
+                                self._up(st.positions, torch.long), self.kv_caches,
+                                self.backend, meta, self._up(rows, torch.long))
+        if not st.sample_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden)
+        tokens = self.sampler(logits, [r.sampling_params for r in st.sample_reqs],
+                              [self._generator(r) for r in st.sample_reqs])
+        return {r.request_id: [t] for r, t in zip(st.sample_reqs, tokens)}
+
+
+@torch.inference_mode()
+def profile_kv_cache_memory(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                            backend: AttentionBackend, block_size: int, max_num_batched_tokens: int,
+                            max_num_seqs: int, max_model_len: int, utilization: float) -> int:
+    """Bytes for the KV cache: utilization x the GPU's memory, less what is in use (CUDA context,
+    weights, other processes) and the activation peak of a forward pass over a full batch of
+    max_num_batched_tokens tokens with max_num_seqs sampled rows."""
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    # The dummy batch: prompts as long as max_model_len allows; decodes (length 1) first.
+    lens, left = [], max_num_batched_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    lens.sort()
+    n = sum(lens)
+    qsl = [0]
+    for ln in lens:
+        qsl.append(qsl[-1] + ln)
+    # Every position maps to block 0 of a one-block cache and no slot is written: the kernels
+    # do their full work without the profile needing a real cache.
+    cache = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=dtype, device=dev)
+    meta = AttentionMetadata(num_tokens=n, slot_mapping=torch.full((n,), -1, dtype=torch.long),
+                             query_start_loc=qsl, seq_lens=lens,
+                             block_table=torch.zeros(len(lens), -(-max(lens) // block_size),
+                                                     dtype=torch.long),
+                             num_decodes=sum(1 for ln in lens if ln == 1), block_size=block_size,
+                             num_blocks=1)
+    backend.prepare(meta)
+    positions = torch.cat([torch.arange(ln) for ln in lens]).to(dev)
+    rows = torch.arange(n - min(n, max_num_seqs), n, device=dev)
+    hidden = model(torch.zeros(n, dtype=torch.long, device=dev), positions,
+                   list(cache.unbind(0)), backend, meta, rows)
+    model.compute_logits(hidden).float().softmax(dim=-1)    # the sampler's float32 copies
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - cache.numel() * cache.element_size()
+    del cache, meta, hidden, positions, rows
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    kv = int(total * utilization) - used - peak
+    per_block = cfg.kv_bytes_per_token(dtype.itemsize) * block_size
+    if kv < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
+            f"{total * utilization / _GIB:.2f} GiB allowed, {used / _GIB:.2f} GiB in use "
+            f"(weights, CUDA context, other processes), {peak / _GIB:.2f} GiB of activations at "
+            f"max_num_batched_tokens={max_num_batched_tokens}; raise gpu_memory_utilization "
+            f"or lower max_num_batched_tokens")
+    return kv

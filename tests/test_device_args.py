@@ -1,0 +1,120 @@
+"""EngineArgs' device and attention-backend arguments: validated before any work, each error
+naming the argument; the CLI passes them through. No GPU or triton needed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvflow.cli import build_parser, engine_kwargs
+from kvflow.engine.llm_engine import EngineArgs
+from kvflow.model import backends
+from kvflow.model.loader import resolve_dtype
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(device="gpu"), "device"), (dict(device=None), "device"),
+    (dict(attention_backend="flash"), "attention_backend"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=-0.5), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.01), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
+    (dict(enforce_eager="no"), "enforce_eager"),
+])
+def test_bad_values_raise_naming_the_argument(kw, name):
+    with pytest.raises(ValueError, match=name):
+        EngineArgs(**kw)
+
+
+def test_good_values_pass():
+    EngineArgs(device="auto", attention_backend="torch", gpu_memory_utilization=1,
+               enforce_eager=True)
+    EngineArgs(gpu_memory_utilization=0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="device='cuda'.*is_available"):
+        EngineArgs(device="cuda")
+    assert backends.resolve_device("auto") == "cpu"
+
+
+def test_triton_not_installed_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(backends, "triton_installed", lambda: False)
+    with pytest.raises(ValueError, match="attention_backend='triton'.*not installed"):
+        EngineArgs(attention_backend="triton")
+    EngineArgs(attention_backend="auto")        # auto never needs triton on cpu
+
+
+def test_backend_resolution():
+    assert backends.resolve_attention_backend("auto", "cpu") == "torch"
+    assert backends.resolve_attention_backend("auto", "cuda") == "triton"
+    with pytest.raises(ValueError, match="attention_backend='torch' runs on CPU only"):
+        backends.resolve_attention_backend("torch", "cuda")
+
+
+def test_auto_dtype_is_bf16_on_gpu_unless_the_checkpoint_is_fp16():
+    assert resolve_dtype("auto", "float32", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "float16", "cuda") == torch.float16
+    assert resolve_dtype("auto", "float32", "cpu") == torch.float32
+    assert resolve_dtype("float32", "bfloat16", "cuda") == torch.float32
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from kvflow.model.backends import make_backend\n"
+            "try:\n    make_backend('triton', 'cpu')\n"
+            "except ValueError as e:\n    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert "TRITON_INTERPRET=1" in res.stdout, res.stderr[-2000:]
+
+
+def test_cli_flags_reach_engine_args():
+    args = build_parser().parse_args(["generate", "x", "--device", "auto", "--attention-backend",
+                                      "torch", "--gpu-memory-utilization", "0.5",
+                                      "--enforce-eager"])
+    kw = engine_kwargs(args)
+    assert (kw["device"], kw["attention_backend"]) == ("auto", "torch")
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["enforce_eager"] is True
+    EngineArgs(**kw)
+    serve = engine_kwargs(build_parser().parse_args(["serve", "--device", "cpu"]))
+    assert serve["device"] == "cpu" and serve["enforce_eager"] is False
+
+
+def test_the_cpu_path_never_imports_triton():
+    code = ("import sys\n"
+            "from kvflow import LLM, EngineArgs\n"
+            "import kvflow.engine.llm_engine, kvflow.model.runner, kvflow.cli\n"
+            "from kvflow.model.backends import make_backend, resolve_attention_backend\n"
+            "EngineArgs(device='auto')\n"
+            "make_backend(resolve_attention_backend('auto', 'cpu'), 'cpu')\n"
+            "assert 'triton' not in sys.modules, 'triton was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cuda_sampler_draws_what_the_cpu_sampler_draws_for_seeded_and_greedy_rows():
+    """Run on CPU tensors: seeded rows use the request's own CPU generator on both paths, so the
+    tokens are identical; greedy rows are the argmax."""
+    from kvflow import SamplingParams
+    from kvflow.model.cuda_sampler import CudaSampler
+    from kvflow.model.sampler import Sampler
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.0, top_k=5, seed=2),
+              SamplingParams(temperature=0.9, top_p=0.5, seed=3)]
+
+    def gens():
+        return [None] + [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+
+    want = Sampler(0)(logits, params, gens())
+    got = CudaSampler(0, "cpu")(logits, params, gens())
+    assert got == want and got[0] == int(logits[0].argmax())
+    assert CudaSampler(0, "cpu")(logits, [SamplingParams(temperature=0)] * 4,
+                                 [None] * 4) == logits.argmax(-1).tolist()
