@@ -81,17 +81,15 @@ inline void axpy(float* acc, float p, const T* v, int64_t D) {
   for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
-// Softmax numerators in place; returns 1 / sum.
+using fVec = at::vec::Vectorized<float>;
+
+// Softmax numerators in place (vectorised exp: scalar std::exp was most of a decode's compute);
+// returns 1 / sum.
 inline float softmax_(float* s, int64_t n) {
-  float mx = s[0];
-  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
-  float sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  return 1.f / sum;
+  const float mx = at::vec::reduce_all<float>(
+      [](fVec a, fVec b) { return at::vec::maximum(a, b); }, s, n);
+  at::vec::map([mx](fVec v) { return (v - fVec(mx)).exp(); }, s, s, n);
+  return 1.f / at::vec::reduce_all<float>([](fVec a, fVec b) { return a + b; }, s, n);
 }
 
 
@@ -198,10 +196,8 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bloc
       const int64_t L = lens[b];
       const int64_t* table = bt + b * bt_stride;
       s.resize(H * L);
-      for (int64_t i = 0; i < H * D; ++i) {
-        const int64_t h = i / D, d = i % D;
-        qf[i] = to_float(qp[b * qs0 + h * qs1 + d]) * scale;
-      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_float(qp[b * qs0 + h * qs1 + d]) * scale;
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
         // Probabilities are normalised inside decode_request, so the final scale is 1.
@@ -259,8 +255,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache,
 // ---- rms_norm and silu_and_mul ------------------------------------------------------------
 // Rounded like HF's bf16 code: x * rsqrt(mean(x^2) + eps) in float32, rounded to the model
 // dtype, then times the weight (rounded again); silu(gate) rounded, then times up.
-using fVec = at::vec::Vectorized<float>;
-
 template <typename T>
 inline float round_to(float x) { return float(T(x)); }
 
