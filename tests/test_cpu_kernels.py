@@ -122,3 +122,29 @@ def test_engine_with_and_without_kernels_matches_hf(tiny_qwen3, monkeypatch):
         assert runner.backend.use_kernels is on
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref, f"kernels={on}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])      # vectorised halves, and a scalar tail
+def test_rotary_matches_the_torch_path(dtype, head_dim):
+    from kvflow.model.layers import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, 10000.0, None, max_len=300)
+    rope.build(dtype)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(23, 6 + 2 * 2, head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 300, (23,), generator=g)
+    qk = qkv[:, :8]                     # q and k heads, a strided view as in llama.py
+    # Reference: the torch path's formula in float32 on the same (model-dtype) tables, rounded
+    # once, as the kernel rounds. (The torch path itself rounds x * cos first in bf16.)
+    cos, sin = (t.float() for t in rope.lookup(positions))
+    x = qk.float()
+    ref = (x * cos + x.roll(head_dim // 2, dims=-1) * sin).to(dtype)
+    if dtype == torch.float32:
+        torch_path = qk.clone()
+        RotaryEmbedding.apply_(rope.lookup(positions), torch_path)
+        _ulp_close(torch_path, ref, dtype)
+    rope.use_kernels = True
+    RotaryEmbedding.apply_(rope.lookup(positions), qk)
+    _ulp_close(qkv[:, :8], ref, dtype)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        torch.ops.kvflow.rotary_(qk, torch.full((23,), 300), rope.cos, rope.sin)

@@ -6,8 +6,9 @@ batch; prefix-cache hits within a batch and across calls; steps that mix decodes
 The outputs must not move by a single token in any of them.
 
 Logits tolerance: float32, 2-layer models with peaky random weights; kvflow and HF sum in a
-different order (fused qkv / gate_up matmuls, paged SDPA), so one forward pass agrees to ~1e-5
-absolute; the test allows 1e-4.
+different order (fused qkv / gate_up matmuls, paged attention, the CPU kernels' fused multiply-
+adds), so one forward pass agrees to 1e-5..1.2e-4 absolute (measured, kernels on or off); the
+test allows 2e-4.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_one_forward_pass_logits_match_hf(arch, request):
     ours = llm.llm_engine.runner.forward_logits(prompt)
     ref = hf_logits(ckpt, prompt)
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,4 +1,4 @@
-"""kvflow's native CPU kernels (csrc/*.cpp): built once with the machine's C++ compiler, cached,
+"""kvflow's native CPU kernels (csrc/*.cpp: paged decode attention, RMSNorm, SwiGLU, RoPE): built once with the machine's C++ compiler, cached,
 and loaded as torch ops (`torch.ops.kvflow.*`).
 
 Why native code: a decode step's attention in plain torch gathers every request's context out of
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp"]
+_HEADERS = [_CSRC / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
           "-std=c++20", "-w"]
 _state: dict = {}
@@ -46,7 +48,7 @@ def _cache_dir() -> Path:
 
 def library_path() -> Path:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(_FLAGS + [torch.__version__, sys.version, _cpu_flags()]).encode())
     return _cache_dir() / f"kvflow_cpu_ops-{h.hexdigest()[:16]}.so"

@@ -42,14 +42,14 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
 
 
 def use_cpu_kernels(model: nn.Module, dtype: torch.dtype, device: str, enable: bool = True) -> bool:
-    """Route RMSNorm and SwiGLU through kvflow's native CPU kernels (cpu_ops.py) when they are
+    """Route RMSNorm, SwiGLU and RoPE through kvflow's native CPU kernels (cpu_ops.py) when they are
     built and the model is a bf16 or float32 CPU model. Returns whether they are in use."""
     on = False
     if enable and device == "cpu" and dtype in (torch.bfloat16, torch.float32):
         from kvflow.model import cpu_ops
         on = cpu_ops.available()
     for m in model.modules():
-        if isinstance(m, (RMSNorm, MLP)):
+        if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
             m.use_kernels = on
     return on
 
@@ -101,6 +101,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling, self.max_len = head_dim, theta, scaling, max_len
         self.cos = self.sin = None
+        self.use_kernels = False    # set by use_cpu_kernels()
 
     def build(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         # Built after the weights are loaded, in the model's dtype and device.
@@ -115,13 +116,19 @@ class RotaryEmbedding(nn.Module):
         sin[:, :half] = -sin[:, :half]
         self.sin = sin.to(dtype=dtype, device=device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for this step's positions; shared by every layer."""
+    def lookup(self, positions: torch.Tensor) -> tuple:
+        """This step's RoPE inputs, shared by every layer: cos, sin [T, 1, head_dim] for the
+        torch path; the positions and the whole tables for the kernel, which indexes them."""
+        if self.use_kernels:
+            return (positions, self.cos, self.sin)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply_(cos_sin, x: torch.Tensor) -> torch.Tensor:
+    def apply_(cos_sin: tuple, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] in place (q and k heads side by side, one pass)."""
+        if len(cos_sin) == 3:
+            torch.ops.kvflow.rotary_(x, *cos_sin)
+            return x
         cos, signed_sin = cos_sin
         rolled = x.roll(x.shape[-1] // 2, dims=-1)
         return x.mul_(cos).addcmul_(rolled, signed_sin)

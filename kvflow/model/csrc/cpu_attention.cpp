@@ -1,50 +1,11 @@
-// kvflow's CPU kernels, bf16 or float32, each replacing several torch ops (each op is a pass over
-// memory and an OpenMP fork/join):
-//   paged_decode: one query token per request, attention read straight from the paged KV cache
-//                 through the block table (no gathered copy of the context), GQA;
-//   rms_norm:     HF's RMSNorm in one pass per row;
-//   silu_and_mul: SwiGLU's silu(gate) * up over the fused gate_up output.
-// Built and loaded by kvflow/model/cpu_ops.py; the torch code paths are the reference and fallback.
-// The vectorised helpers come from ATen's header-only at::vec; the capability macro must match
-// what -march=native enables, since the headers pick their implementation from it.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+// Paged decode attention for CPU: one query token per request, read straight from the paged KV
+// cache through the block table (no gathered copy of the context), GQA, bf16 or float32.
+// Built and loaded by kvflow/model/cpu_ops.py; TorchAttentionBackend's gather + SDPA is the
+// reference and the fallback.
+#include "cpu_common.h"
 
-#include <cmath>
-#include <cstring>
-#include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+namespace kvflow {
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 // q . k over D with k in the cache's dtype. The scalar loop keeps 16 independent partial sums so
 // that it vectorises without -ffast-math (which would reorder the softmax arithmetic too).
@@ -80,8 +41,6 @@ inline void axpy(float* acc, float p, const T* v, int64_t D) {
 #endif
   for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
-
-using fVec = at::vec::Vectorized<float>;
 
 // Softmax numerators in place (vectorised exp: scalar std::exp was most of a decode's compute);
 // returns 1 / sum.
@@ -252,85 +211,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache,
 }
 
 
-// ---- rms_norm and silu_and_mul ------------------------------------------------------------
-// Rounded like HF's bf16 code: x * rsqrt(mean(x^2) + eps) in float32, rounded to the model
-// dtype, then times the weight (rounded again); silu(gate) rounded, then times up.
-template <typename T>
-inline float round_to(float x) { return float(T(x)); }
-
-template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, float eps) {
-  const int64_t rows = x.size(0), D = x.size(1), xs = x.stride(0);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> xf(D), wf(D);
-    for (int64_t d = 0; d < D; ++d) wf[d] = to_float(wp[d]);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* row = xp + r * xs;
-      for (int64_t d = 0; d < D; ++d) xf[d] = to_float(row[d]);
-      float ss = at::vec::map_reduce_all<float>(
-          [](fVec v) { return v * v; }, [](fVec a, fVec b) { return a + b; }, xf.data(), D);
-      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-      T* o = op + r * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = T(wf[d] * round_to<T>(xf[d] * inv));
-    }
-  });
-}
-
-template <typename T>
-void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
-  const int64_t rows = x.size(0), F = x.size(1) / 2, xs = x.stride(0);
-  const T* xp = x.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    std::vector<float> g(F);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* gate = xp + r * xs;
-      const T* up = gate + F;
-      T* o = op + r * F;
-      for (int64_t i = 0; i < F; ++i) g[i] = -to_float(gate[i]);
-      at::vec::map([](fVec v) { return v.exp_u20(); }, g.data(), g.data(), F);
-      for (int64_t i = 0; i < F; ++i) {
-        const float s = round_to<T>(to_float(gate[i]) / (1.f + g[i]));   // exp overflow: -0
-        o[i] = T(s * to_float(up[i]));
-      }
-    }
-  });
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim], unit stride");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: bad weight");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
-  auto out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kBFloat16) rms_norm_impl<c10::BFloat16>(x, weight, out, float(eps));
-  else if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, weight, out, float(eps));
-  else TORCH_CHECK(false, "rms_norm supports bfloat16 and float32");
-  return out;
-}
-
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "silu_and_mul: x must be [rows, 2 * F], unit stride");
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == at::kBFloat16) silu_and_mul_impl<c10::BFloat16>(x, out);
-  else if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
-  else TORCH_CHECK(false, "silu_and_mul supports bfloat16 and float32");
-  return out;
-}
-
 }  // namespace
+}  // namespace kvflow
 
-TORCH_LIBRARY(kvflow, m) {
+TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("paged_decode(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale)"
         " -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
-  m.impl("paged_decode", paged_decode);
-  m.impl("rms_norm", rms_norm);
-  m.impl("silu_and_mul", silu_and_mul);
-}
+TORCH_LIBRARY_IMPL(kvflow, CPU, m) { m.impl("paged_decode", kvflow::paged_decode); }
