@@ -88,7 +88,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
         auto [g0, g1] = load2(gate + i);
         auto [u0, u1] = load2(up + i);
         // exp overflow for very negative gates gives g / inf = -0, as torch's silu does.
-        fVec s0 = g0 / (one + g0.neg().exp()), s1 = g1 / (one + g1.neg().exp());
+        fVec s0 = g0 / (one + g0.neg().exp_u20()), s1 = g1 / (one + g1.neg().exp_u20());
         round2(gate, s0, s1);
         store2(o + i, s0 * u0, s1 * u1);
       }
