@@ -4,6 +4,8 @@
 // reference and the fallback.
 #include "cpu_common.h"
 
+#include <type_traits>
+
 namespace kvflow {
 namespace {
 
@@ -77,7 +79,8 @@ inline __m512 reduce16(const __m512* r) {
 // the loop is bound by memory bandwidth. s: [H][L] scores; q: [H][D] scaled queries; acc: [H][D].
 template <typename T, int C>
 void decode_request(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                    int64_t bs, int64_t KVH, int64_t G, float* s, float* tile, float* acc) {
+                    int64_t bs, int64_t KVH, int64_t G, float* s, float* tile, float* acc,
+                    const c10::BFloat16* qb, float scale) {
   constexpr int64_t D = C * 16;
   const int64_t W = KVH * D;      // one token's row of all KV heads
   auto row_of = [&](const T* base, int64_t t) { return base + (table[t / bs] * bs + t % bs) * W; };
@@ -95,6 +98,33 @@ void decode_request(const float* q, const T* kc, const T* vc, const int64_t* tab
     for (int64_t j = n; j < 16; ++j)
       for (int64_t c = 0; c < W; c += 16) _mm512_storeu_ps(tile + j * W + c, _mm512_setzero_ps());
   };
+#if defined(__AVX512BF16__)
+  // bf16 cache and CPU support: q . k straight from the cache with VDPBF16PS (products of two
+  // bf16 are exact in float32, sums in float32), no float tile for K. qb: the unscaled bf16 q.
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - t0);
+      prefetch(kc, t0 + 16);
+      const T* rows[16];
+      for (int64_t j = 0; j < n; ++j) rows[j] = row_of(kc, t0 + j);
+      for (int64_t i = 0; i < KVH * G; ++i) {
+        const int64_t off = (i / G) * D;
+        __m512bh qv[C / 2];
+        for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + i * D + c * 32);
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < n)
+            for (int c = 0; c < C / 2; ++c)
+              a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + off + c * 32));
+          r[j] = a;
+        }
+        _mm512_mask_storeu_ps(s + i * L + t0, __mmask16((1u << n) - 1),
+                              _mm512_mul_ps(reduce16(r), _mm512_set1_ps(scale)));
+      }
+    }
+  } else
+#endif
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, L - t0);
     prefetch(kc, t0 + 16);
@@ -151,21 +181,25 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bloc
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> qf(H * D), acc(H * D), s, tile(16 * KVH * D);
+    std::vector<c10::BFloat16> qb(H * D);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t L = lens[b];
       const int64_t* table = bt + b * bt_stride;
       s.resize(H * L);
       for (int64_t h = 0; h < H; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_float(qp[b * qs0 + h * qs1 + d]) * scale;
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) qb[h * D + d] = qp[b * qs0 + h * qs1 + d];
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
         // Probabilities are normalised inside decode_request, so the final scale is 1.
         if (D == 64)
           decode_request<T, 4>(qf.data(), kc, vc, table, L, bs, KVH, G, s.data(), tile.data(),
-                               acc.data());
+                               acc.data(), qb.data(), scale);
         else
           decode_request<T, 8>(qf.data(), kc, vc, table, L, bs, KVH, G, s.data(), tile.data(),
-                               acc.data());
+                               acc.data(), qb.data(), scale);
         for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = T(acc[i]);
         continue;
       }
