@@ -24,11 +24,14 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
+    # The whole batch prefills in one step, so the timed steps are all decodes.
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     a = ap.parse_args()
     if a.model is None:
         from make_bench_model import ensure_model
         a.model = str(ensure_model())
-    e = LLMEngine(EngineArgs(model=a.model, num_threads=a.threads))
+    e = LLMEngine(EngineArgs(model=a.model, num_threads=a.threads,
+                             max_num_batched_tokens=max(a.max_num_batched_tokens, 32 * a.num_prompts)))
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=a.steps + 1, ignore_eos=True)
     for i in range(a.num_prompts):

@@ -97,7 +97,7 @@ class LLMEngine:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         # CPU: 2048-token steps. Measured on the 62.9M bench model (256 x 32-token prompts), a
         # 2048-token prefill chunk ran 1.3x faster per token than an 8192-token one (the
-        # activations stay in cache) and the whole run was 5-10% faster than with 4096 or 8192.
+        # activations stay in cache) and the whole run was 2-15% faster than with 4096 or 8192.
         default_budget = 2048 if device == "cpu" else 8192
         budget = args.max_num_batched_tokens or max(default_budget, args.max_num_seqs)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
