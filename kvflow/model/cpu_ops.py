@@ -25,8 +25,9 @@ import torch
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
-          "-std=c++20", "-w"]
+# KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
+_FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",
+          "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
 _state: dict = {}
 
 
