@@ -182,10 +182,10 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_t,
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == x.size(0),
               "rotary_: positions must be int64, one per token");
-  if (positions.numel())
-    TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
-                    positions.max().item<int64_t>() < cos_t.size(0),
-                "rotary_: a position is outside the table");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < positions.numel(); ++i)     // a plain loop: no tensor ops per layer
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_t.size(0), "rotary_: position ", pos[i],
+                " is outside the table of ", cos_t.size(0));
   KVFLOW_DISPATCH(x.scalar_type(), "rotary_", rotary_impl<scalar_t>(x, positions, cos_t, sin_t));
 }
 
