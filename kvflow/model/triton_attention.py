@@ -39,6 +39,23 @@ def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k_ptr, v_ptr, off, d, k_ok, d_ok, visible, m, l, acc, scale_log2,
+                 UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step over a tile of keys at cache offsets `off` (prefill and decode
+    share it): returns the updated running max m, sum l and output accumulator acc."""
+    kt = tl.load(k_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+    s = _dot(q, kt, UPCAST, PREC) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      s_k_tok, s_k_head, s_v_tok, s_v_head, s_c_slot, s_c_head,
                      KVH: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
@@ -109,19 +126,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, lens_ptr, bt_ptr, scale
         k_ok = pos < kv_end
         blk = tl.load(bt_ptr + r * s_bt + pos // BS, mask=k_ok, other=0).to(tl.int64)
         off = blk * s_c_blk + (pos % BS) * s_c_tok + kvh * s_c_head
-        kt = tl.load(k_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
-                     other=0.0)
-        s = _dot(q, kt, UPCAST, PREC) * scale_log2
         # Key 0 is visible to every row, so m is finite after the first tile: no NaN rows.
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PREC)
-        m = m_new
+        visible = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        m, l, acc = _attend_tile(q, k_ptr, v_ptr, off, d, k_ok, d_ok, visible, m, l, acc,
+                                 scale_log2, UPCAST, PREC)
     out = acc / l[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * s_o_tok + head[:, None] * s_o_head + d[None, :],
              out, mask=row_ok[:, None] & d_ok[None, :])
@@ -194,18 +202,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, plse_ptr, lens_ptr,
         k_ok = pos < end
         blk = tl.load(bt_ptr + b * s_bt + pos // BS, mask=k_ok, other=0).to(tl.int64)
         off = blk * s_c_blk + (pos % BS) * s_c_tok + kvh * s_c_head
-        kt = tl.load(k_ptr + off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
-                     other=0.0)
-        s = _dot(q, kt, UPCAST, PREC) * scale_log2
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PREC)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_ptr, v_ptr, off, d, k_ok, d_ok, k_ok[None, :], m, l, acc,
+                                 scale_log2, UPCAST, PREC)
     # An empty split (or a padded row with seq_len 0) leaves l == 0: output 0, weight 0.
     nonempty = l > 0
     out = acc / tl.where(nonempty, l, 1.0)[:, None]
