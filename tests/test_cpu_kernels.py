@@ -160,3 +160,68 @@ def test_bf16_linears_are_packed_once_and_the_plain_copies_dropped(tiny_llama):
     out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=4,
                                                      ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_rows_by_slot_like_index_copy(dtype):
+    g = torch.Generator().manual_seed(5)
+    nb, bs, kvh, d, t = 11, 4, 2, 64, 9
+    cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dtype)
+    qkv = torch.randn(t, 6 + 2 * kvh, d, generator=g).to(dtype)
+    kv = qkv[:, 6:].view(t, 2, kvh, d)             # strided, as the runner passes it
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[3] = -1                                   # a padded row: not written
+    want = cache.clone()
+    keep = slots >= 0
+    want[0].view(-1, kvh, d).index_copy_(0, slots[keep], kv[keep, 0])
+    want[1].view(-1, kvh, d).index_copy_(0, slots[keep], kv[keep, 1])
+    torch.ops.kvflow.store_kv_(cache, kv, slots)
+    assert torch.equal(cache, want)
+
+
+def test_store_kv_rejects_bad_inputs():
+    cache = torch.zeros(2, 4, 4, 2, 64)
+    kv = torch.zeros(3, 2, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the cache of 16 slots"):
+        torch.ops.kvflow.store_kv_(cache, kv, torch.tensor([0, 16, 1]))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.kvflow.store_kv_(cache, kv.bfloat16(), torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="at most one per token"):
+        torch.ops.kvflow.store_kv_(cache, kv, torch.arange(4))
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_torch_backend_step_of_decodes_fresh_prompts_and_a_continued_chunk(use_kernels):
+    """One step: 2 decodes, a run of three 5-token prompts (one batched call), a 3-token prompt,
+    a 6-token chunk continuing a cached 10-token prefix. Each request's output equals causal
+    attention over its whole context, read back from the cache after the step's writes."""
+    from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend
+    g = torch.Generator().manual_seed(2)
+    nb, bs, kvh, h, d = 40, 4, 2, 6, 64
+    q_lens, seq_lens = [1, 1, 5, 5, 5, 3, 6], [13, 3, 5, 5, 5, 3, 16]
+    width = -(-max(seq_lens) // bs)
+    table = torch.randperm(nb, generator=g)[:len(q_lens) * width].view(len(q_lens), width)
+    slots, qsl = [], [0]
+    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        slots += [int(table[r, p // bs]) * bs + p % bs for p in range(sl - ql, sl)]
+        qsl.append(qsl[-1] + ql)
+    t = qsl[-1]
+    cache = torch.randn(2, nb, bs, kvh, d, generator=g)
+    qkv = torch.randn(t, h + 2 * kvh, d, generator=g)
+    q, kv = qkv[:, :h], qkv[:, h:].view(t, 2, kvh, d)
+    meta = AttentionMetadata(num_tokens=t, slot_mapping=torch.tensor(slots), query_start_loc=qsl,
+                             seq_lens=seq_lens, block_table=table.contiguous(), num_decodes=2,
+                             block_size=bs, num_blocks=nb)
+    backend = TorchAttentionBackend(use_kernels=use_kernels)
+    backend.prepare(meta)
+    assert meta.extra["p_fresh"] == [[qsl[2], 5, 3], [qsl[5], 3, 1]]
+    out = backend.forward(q, kv, cache, meta, d ** -0.5)
+    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        ctx = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(sl)])
+        k = cache[0].reshape(-1, kvh, d)[ctx].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        v = cache[1].reshape(-1, kvh, d)[ctx].repeat_interleave(h // kvh, 1).transpose(0, 1)
+        qr = q[qsl[r]:qsl[r + 1]].transpose(0, 1)
+        mask = torch.arange(sl)[None, :] <= torch.arange(sl - ql, sl)[:, None]
+        ref = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=d ** -0.5)
+        torch.testing.assert_close(out[qsl[r]:qsl[r + 1]], ref.transpose(0, 1),
+                                   rtol=1e-5, atol=1e-5)

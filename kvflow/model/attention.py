@@ -80,7 +80,18 @@ class TorchAttentionBackend(AttentionBackend):
         elif d:
             self._prepare_gather(meta, ex)
         qsl, lens = meta.query_start_loc, meta.seq_lens
-        pre = [(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(d, len(lens))]
+        pre, fresh = [], []
+        for i in range(d, len(lens)):
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len != lens[i]:
+                pre.append((i, qsl[i], q_len, lens[i]))
+            elif fresh and fresh[-1][1] == q_len:     # same length as the run before it
+                fresh[-1][2] += 1
+            else:
+                fresh.append([qsl[i], q_len, 1])
+        # Whole prompts (no cached prefix) attend to their own fresh K/V straight from the step's
+        # qkv: no gather from the cache, no mask; a run of equal-length prompts is one call.
+        ex["p_fresh"] = fresh
         if not pre:
             ex["p_batched"] = None
             ex["p_single"] = []
@@ -115,8 +126,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prepare_one(self, meta: AttentionMetadata, p) -> tuple:
         i, start, q_len, ctx = p
-        if ctx == q_len:
-            return (start, q_len, None, None)       # no cached prefix: attend to fresh K/V
         nb = -(-ctx // meta.block_size)
         return (start, q_len, self._kv_rows(meta.block_table[i, :nb], meta),
                 self._causal_mask(q_len, ctx, nb * meta.block_size))
@@ -142,10 +151,12 @@ class TorchAttentionBackend(AttentionBackend):
         _, _, bs, kvh, hd = kv_cache.shape
         n = meta.num_tokens
         ex = meta.extra
-        # Two index_copy_ calls: index_put_ with a [T, 2] index is ~50x slower on CPU.
         slots = meta.slot_mapping
-        kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 0])
-        kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 1])
+        if self.use_kernels and kv_cache.dtype in _KERNEL_DTYPES and not kv_cache.is_cuda:
+            torch.ops.kvflow.store_kv_(kv_cache, kv, slots)
+        else:   # two index_copy_ calls: index_put_ with a [T, 2] index is ~50x slower on CPU
+            kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 0])
+            kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 1])
         cache = kv_cache.view(-1, bs, kvh, hd)      # [2 * num_blocks, bs, kvh, hd]
         g = q.shape[1] // kvh
         d = meta.num_decodes
@@ -165,17 +176,18 @@ class TorchAttentionBackend(AttentionBackend):
             if d == n:
                 return o.view(d, kvh * g, hd)       # decodes only: no copy into `out`
             out[:d] = o.reshape(d, kvh * g, hd)
+        for start, q_len, count in ex["p_fresh"]:
+            end = start + q_len * count
+            qs = q[start:end].view(count, q_len, kvh * g, hd).transpose(1, 2)
+            new = kv[start:end].view(count, q_len, 2, kvh, hd)
+            o = F.scaled_dot_product_attention(
+                qs, new[:, :, 0].transpose(1, 2), new[:, :, 1].transpose(1, 2), is_causal=True,
+                scale=scale, enable_gqa=True)
+            out[start:end] = o.transpose(1, 2).reshape(end - start, kvh * g, hd)
         if ex["p_batched"] is not None:
             self._forward_batched(q, out, cache, ex["p_batched"], kvh, g, hd, scale)
         for start, q_len, blocks, mask in ex["p_single"]:
             qs = q[start:start + q_len].transpose(0, 1)        # [H, q_len, hd]
-            if blocks is None:      # no cached prefix: attend to the fresh K/V, plain causal
-                new = kv[start:start + q_len].transpose(0, 2)       # [KVH, 2, q_len, hd]
-                o = F.scaled_dot_product_attention(
-                    qs[None], new[None, :, 0].repeat_interleave(g, 1),
-                    new[None, :, 1].repeat_interleave(g, 1), is_causal=True, scale=scale)
-                out[start:start + q_len] = o[0].transpose(0, 1)
-                continue
             keys, vals = cache.index_select(0, blocks).view(2, -1, kvh, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs.reshape(1, kvh, g * q_len, hd), keys[None],
                                                vals[None], attn_mask=mask.repeat(g, 1),

@@ -245,11 +245,48 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache,
 }
 
 
+// The step's new keys and values into the paged cache by slot: one row copy per token and
+// K/V, where two index_copy_ calls cost ~0.5 ms per 2048 tokens in per-row dispatch. Slot -1 (a
+// padded row) is skipped. kv: [T, 2, KVH, D], each [KVH, D] contiguous (a view of qkv).
+void store_kv_(at::Tensor cache, const at::Tensor& kv, const at::Tensor& slots) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "store_kv_: cache must be a contiguous [2, num_blocks, block_size, kv_heads, D] tensor");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && kv.size(2) == cache.size(3) &&
+                  kv.size(3) == cache.size(4) && kv.stride(3) == 1 && kv.stride(2) == kv.size(3),
+              "store_kv_: kv must be [tokens, 2, kv_heads, D] matching the cache, each [kv_heads, D] "
+              "contiguous");
+  TORCH_CHECK(kv.scalar_type() == cache.scalar_type(), "store_kv_: kv and cache dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 &&
+                  slots.numel() <= kv.size(0),
+              "store_kv_: slots must be int64, at most one per token");
+  const int64_t n = slots.numel(), capacity = cache.size(1) * cache.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= -1 && sp[i] < capacity, "store_kv_: slot ", sp[i], " outside the cache of ",
+                capacity, " slots");
+  const int64_t row = kv.size(2) * kv.size(3), bytes = row * kv.element_size();
+  char* kc = static_cast<char*>(cache.data_ptr());
+  char* vc = kc + capacity * bytes;
+  const char* src = static_cast<const char*>(kv.data_ptr());
+  const int64_t s0 = kv.stride(0) * kv.element_size(), s1 = kv.stride(1) * kv.element_size();
+  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (sp[i] < 0) continue;
+      std::memcpy(kc + sp[i] * bytes, src + i * s0, bytes);
+      std::memcpy(vc + sp[i] * bytes, src + i * s0 + s1, bytes);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace kvflow
 
 TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("paged_decode(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale)"
         " -> Tensor");
+  m.def("store_kv_(Tensor(a!) cache, Tensor kv, Tensor slots) -> ()");
 }
-TORCH_LIBRARY_IMPL(kvflow, CPU, m) { m.impl("paged_decode", kvflow::paged_decode); }
+TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
+  m.impl("paged_decode", kvflow::paged_decode);
+  m.impl("store_kv_", kvflow::store_kv_);
+}
