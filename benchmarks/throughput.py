@@ -12,6 +12,8 @@ runs in a fresh subprocess, so load and cold start are measured cold every time:
           min_new_tokens = max_new_tokens = the longest requested output in the batch (with
           ignore_eos): a static batch runs until its longest member is done. Only each
           request's own requested tokens count as output; the rest is padding work.
+          --hf-batch-size 8,16,32,0 runs the whole workload once per batch size in the one HF
+          process (after its warm-up) and credits HF with the fastest; all times are printed.
   vllm    .venv-vllm/bin/python benchmarks/vllm_throughput_worker.py --spec SPEC --result OUT
           (env HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0)
           LLM(model, dtype, max_model_len, max_num_seqs[, max_num_batched_tokens]) +

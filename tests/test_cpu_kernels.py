@@ -225,3 +225,28 @@ def test_torch_backend_step_of_decodes_fresh_prompts_and_a_continued_chunk(use_k
         ref = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=d ** -0.5)
         torch.testing.assert_close(out[qsl[r]:qsl[r + 1]], ref.transpose(0, 1),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 16, 8192 + 5])
+def test_argmax_rows_matches_torch_max_indices(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 3, generator=g).to(dtype)[:, 2:vocab + 2]   # strided rows
+    x[1] = float("-inf")                            # all -inf: index 0
+    x[2, :] = 0
+    x[2, [vocab // 2, vocab - 1]] = 3.0             # a tie: the first wins
+    x[3, vocab - 1] = float("nan")                  # NaN wins, wherever it is
+    x[4, [vocab // 3, vocab - 1]] = float("nan")    # the first NaN
+    x[5, 0] = float("inf")
+    x[6] = 1.0                                      # all equal: index 0
+    got = torch.ops.kvflow.argmax_rows(x)
+    assert got.tolist() == x.max(dim=-1).indices.tolist()
+
+
+def test_argmax_rows_rejects_bad_inputs():
+    with pytest.raises(RuntimeError, match="non-empty"):
+        torch.ops.kvflow.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="unit stride"):
+        torch.ops.kvflow.argmax_rows(torch.zeros(4, 3).t())
+    with pytest.raises(RuntimeError, match="supports bfloat16 and float32"):
+        torch.ops.kvflow.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))

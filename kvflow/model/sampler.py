@@ -14,12 +14,19 @@ from kvflow.sampling_params import SamplingParams
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        from kvflow.model import cpu_ops
+        # Greedy rows in one pass over the logits (cpu_layers.cpp): torch's max(dim) over a
+        # 256 x 8192 bf16 step took ~1.5 ms of a 40 ms decode step.
+        self._argmax = torch.ops.kvflow.argmax_rows if cpu_ops.available() else None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
         """logits [N, V] (any float dtype) -> one token id per row."""
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
+            if (self._argmax is not None and logits.device.type == "cpu" and logits.dim() == 2
+                    and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(1) == 1):
+                return self._argmax(logits).tolist()
             # max(dim) returns the first maximal index like argmax, and is ~4x faster on CPU.
             return logits.max(dim=-1).indices.tolist()
         logits = logits.float()

@@ -142,6 +142,54 @@ void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
   });
 }
 
+// Greedy sampling: the first index of each row's maximum, as torch.max(dim=-1).indices (NaN
+// wins, the first NaN), in one pass: per-lane maxima and their indices, then the lanes.
+template <typename T>
+void argmax_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = xp + r * xs;
+      float best = -INFINITY;
+      int64_t bi = 0, v = 0;
+      bool nan = false;
+#if defined(__AVX512F__)
+      __m512 bv = _mm512_set1_ps(-INFINITY);
+      __m512i bidx = _mm512_setzero_si512();
+      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __mmask16 nans = 0;
+      for (; v + 16 <= V; v += 16) {
+        const __m512 a = load16(row + v);
+        const __mmask16 gt = _mm512_cmp_ps_mask(a, bv, _CMP_GT_OQ);
+        nans |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        bv = _mm512_mask_mov_ps(bv, gt, a);
+        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+      }
+      alignas(64) float vals[16];
+      alignas(64) int32_t ids[16];
+      _mm512_store_ps(vals, bv);
+      _mm512_store_si512(ids, bidx);
+      for (int l = 0; l < 16; ++l)
+        if (vals[l] > best || (vals[l] == best && ids[l] < bi)) best = vals[l], bi = ids[l];
+      if (nans) nan = true, v = 0;        // rescan from the start for the first NaN
+#endif
+      for (; v < V; ++v) {
+        const float f = to_float(row[v]);
+        if (f != f) {
+          bi = v;
+          nan = false;
+          break;
+        }
+        if (!nan && f > best) best = f, bi = v;
+      }
+      op[r] = bi;
+    }
+  });
+}
+
 #define KVFLOW_DISPATCH(dtype, name, ...)                                              \
   if ((dtype) == at::kBFloat16) {                                                      \
     using scalar_t = c10::BFloat16;                                                    \
@@ -170,6 +218,14 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be a non-empty [rows, V] tensor with unit stride in V");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  KVFLOW_DISPATCH(x.scalar_type(), "argmax_rows", argmax_impl<scalar_t>(x, out));
+  return out;
+}
+
 void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_t,
              const at::Tensor& sin_t) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
@@ -195,10 +251,12 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos_t,
 TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("rms_norm", kvflow::rms_norm);
   m.impl("silu_and_mul", kvflow::silu_and_mul);
+  m.impl("argmax_rows", kvflow::argmax_rows);
   m.impl("rotary_", kvflow::rotary_);
 }
