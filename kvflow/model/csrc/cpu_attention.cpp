@@ -165,7 +165,7 @@ void decode_request(const float* q, const T* kc, const T* vc, const int64_t* tab
 }
 #endif
 
-// out[i] = T(acc[i]), 16 at a time (the scalar bf16 rounding of every output element was a
+// out[i] = T(acc[i]), 32 at a time (rounding every output element to bf16 one by one was a
 // visible share of a short request's time).
 template <typename T>
 inline void store_rounded(T* out, const float* acc, int64_t n) {
@@ -259,9 +259,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache,
 }
 
 
-// The step's new keys and values into the paged cache by slot: one row copy per token and
-// K/V, where two index_copy_ calls cost ~0.5 ms per 2048 tokens in per-row dispatch. Slot -1 (a
-// padded row) is skipped. kv: [T, 2, KVH, D], each [KVH, D] contiguous (a view of qkv).
+// The step's new keys and values into the paged cache by slot: one row copy per token for K
+// and one for V (a 2048-token prefill layer: ~0.7 ms, against ~1.0 ms for the two index_copy_
+// calls it replaces). Slot -1 (a padded row) is skipped. kv: [T, 2, KVH, D], each [KVH, D]
+// contiguous (a view of qkv).
 void store_kv_(at::Tensor cache, const at::Tensor& kv, const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
               "store_kv_: cache must be a contiguous [2, num_blocks, block_size, kv_heads, D] tensor");

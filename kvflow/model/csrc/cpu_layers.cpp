@@ -142,8 +142,8 @@ void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
   });
 }
 
-// Greedy sampling: the first index of each row's maximum, as torch.max(dim=-1).indices (NaN
-// wins, the first NaN), in one pass: per-lane maxima and their indices, then the lanes.
+// Greedy sampling: the first index of each row's maximum, as torch.max(dim=-1).indices (a NaN
+// wins: the first NaN), in one pass: per-lane maxima and their indices, then across the lanes.
 template <typename T>
 void argmax_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
@@ -154,7 +154,6 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
       const T* row = xp + r * xs;
       float best = -INFINITY;
       int64_t bi = 0, v = 0;
-      bool nan = false;
 #if defined(__AVX512F__)
       __m512 bv = _mm512_set1_ps(-INFINITY);
       __m512i bidx = _mm512_setzero_si512();
@@ -174,16 +173,15 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
       _mm512_store_si512(ids, bidx);
       for (int l = 0; l < 16; ++l)
         if (vals[l] > best || (vals[l] == best && ids[l] < bi)) best = vals[l], bi = ids[l];
-      if (nans) nan = true, v = 0;        // rescan from the start for the first NaN
+      if (nans) v = 0, best = INFINITY;   // a NaN came first: rescan, only NaN can win now
 #endif
       for (; v < V; ++v) {
         const float f = to_float(row[v]);
         if (f != f) {
           bi = v;
-          nan = false;
           break;
         }
-        if (!nan && f > best) best = f, bi = v;
+        if (f > best) best = f, bi = v;
       }
       op[r] = bi;
     }
