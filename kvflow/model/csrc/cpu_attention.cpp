@@ -61,7 +61,7 @@ inline float softmax_(float* s, int64_t n) {
 #if defined(__AVX512F__)
 // Sums of 16 vectors, lane j of the result = sum of r[j]'s lanes: a transpose-and-add tree
 // (45 shuffles/adds for 16 sums, against ~8 per sum for one reduce at a time).
-inline __m512 reduce16(const __m512* r) {
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* r) {
   __m512 s2[8], s4[4];
   for (int i = 0; i < 8; ++i)
     s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]),
@@ -140,19 +140,32 @@ void decode_request(const float* q, const T* kc, const T* vc, const int64_t* tab
     const float inv = softmax_(s + i * L, L);
     for (int64_t t = 0; t < L; ++t) s[i * L + t] *= inv;
   }
+  // p . v: each V vector is loaded (and converted) once per chunk of up to 16 / C query heads,
+  // whose accumulators stay in registers over a 16-token tile.
+  constexpr int64_t GC = 16 / C;
   for (int64_t i = 0; i < KVH * G * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, L - t0);
-    load_tile(vc, t0, n);
-    for (int64_t i = 0; i < KVH * G; ++i) {
-      const float* tv = tile + (i / G) * D;
-      __m512 a[C];
-      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + i * D + c * 16);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 p = _mm512_set1_ps(s[i * L + t0 + j]);
-        for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(tv + j * W + c * 16), a[c]);
+    const T* rows[16];
+    for (int64_t j = 0; j < n; ++j) rows[j] = row_of(vc, t0 + j);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t g0 = 0; g0 < G; g0 += GC) {
+        const int64_t nh = std::min<int64_t>(GC, G - g0);
+        const int64_t h0 = kh * G + g0;
+        __m512 a[GC][C];
+        for (int64_t h = 0; h < nh; ++h)
+          for (int c = 0; c < C; ++c) a[h][c] = _mm512_loadu_ps(acc + (h0 + h) * D + c * 16);
+        for (int64_t j = 0; j < n; ++j) {
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = load16(rows[j] + kh * D + c * 16);
+          for (int64_t h = 0; h < nh; ++h) {
+            const __m512 p = _mm512_set1_ps(s[(h0 + h) * L + t0 + j]);
+            for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(p, v[c], a[h][c]);
+          }
+        }
+        for (int64_t h = 0; h < nh; ++h)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (h0 + h) * D + c * 16, a[h][c]);
       }
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * D + c * 16, a[c]);
     }
   }
 }
