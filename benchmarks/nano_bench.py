@@ -174,13 +174,11 @@ def run_hf(a, model_dir: str, prompts, max_tokens, device: str, dtype_name: str)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     bs = a.hf_batch_size or len(prompts)
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_common import left_pad
+
     def run(batch, new):
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), UNK, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, p in enumerate(batch):       # left padding
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask, _ = left_pad(batch, UNK)
         # min_new_tokens = max_new_tokens: EOS never ends a row (ignore_eos); top_k 0: plain
         # temperature sampling, as kvflow and nano-vllm do.
         model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),

@@ -214,6 +214,7 @@ def worker_hf(spec: dict, result_path: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
+    from hf_common import left_pad       # this script's folder is sys.path[0]
     t_import = time.time()
     if spec["num_threads"]:
         torch.set_num_threads(spec["num_threads"])
@@ -226,12 +227,7 @@ def worker_hf(spec: dict, result_path: str) -> None:
     ignore_eos = spec["ignore_eos"]
 
     def run(batch: list[list[int]], new: int) -> torch.Tensor:
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, p in enumerate(batch):      # left padding
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask, width = left_pad(batch, pad)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                              min_new_tokens=new if ignore_eos else 0, do_sample=False,
                              pad_token_id=pad, eos_token_id=eos)
