@@ -177,9 +177,18 @@ def test_bench_serve_against_kvflow(server, tiny_llama, tmp_path, capsys, backen
     assert r["total_output_tokens"] == n * out_len              # ignore_eos: exactly max_tokens
     assert r["output_lens"] == [out_len] * n
     assert r["max_concurrency"] == 4 and r["request_rate"] == 50
-    for k in ("ttft", "tpot", "itl", "e2el"):
+    for k in ("ttft", "e2el"):
         assert 0 < r[f"median_{k}_ms"] <= r[f"p99_{k}_ms"]
-    assert r["mean_e2el_ms"] > r["mean_ttft_ms"]
+    # A stream hands over the latest output when its reader lags (as vLLM's does), so several
+    # tokens can arrive in one chunk: per-token gaps may be 0, and a request may have no ITL.
+    for k in ("tpot", "itl"):
+        assert 0 <= r[f"median_{k}_ms"] <= r[f"p99_{k}_ms"]
+    # Timing-independent: each request's first-token time plus its inter-chunk gaps is its
+    # end-to-end latency, and it got at least one chunk and at most one per token.
+    for ttft, itl, e2el in zip(r["ttfts"], r["itls"], r["e2els"]):
+        assert ttft > 0 and all(x >= 0 for x in itl) and len(itl) < out_len
+        assert ttft + sum(itl) == pytest.approx(e2el)
+    assert r["mean_e2el_ms"] >= r["mean_ttft_ms"]
     assert r["output_throughput"] == pytest.approx(n * out_len / r["duration"])
     # the server saw the same traffic: n requests + 1 warm-up of min(out_len, 4) tokens
     after = metrics(server.url)
