@@ -118,3 +118,13 @@ def test_cuda_sampler_draws_what_the_cpu_sampler_draws_for_seeded_and_greedy_row
     assert got == want and got[0] == int(logits[0].argmax())
     assert CudaSampler(0, "cpu")(logits, [SamplingParams(temperature=0)] * 4,
                                  [None] * 4) == logits.argmax(-1).tolist()
+
+
+def test_a_tensor_on_cuda_is_on_cuda0_when_device_0_is_current(monkeypatch):
+    """upload() must not re-pin a tensor already on the GPU because "cuda" != "cuda:0"."""
+    from kvflow.model.h2d import same_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert same_device(cuda0, cuda) and same_device(cuda, cuda0) and same_device(cuda, cuda)
+    assert not same_device(cuda1, cuda) and not same_device(torch.device("cpu"), cuda)
+    assert same_device(torch.device("cpu"), torch.device("cpu"))

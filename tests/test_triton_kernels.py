@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import weakref
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported, here or by kvflow
@@ -36,6 +37,7 @@ from kvflow.engine import EngineArgs, LLMEngine  # noqa: E402
 from kvflow.model import triton_attention as ops  # noqa: E402
 from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from kvflow.model.triton_backend import TritonAttentionBackend  # noqa: E402
+from attention_ref import D, make_cache, ref_attention, shuffled_tables  # noqa: E402
 from model_fixtures import hf_greedy  # noqa: E402
 
 
@@ -58,48 +60,12 @@ def _interpret():
 
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-D = 16
 
 
 def test_the_interpreter_is_on():
     from triton.runtime.interpreter import InterpretedFunction
     assert ops.INTERPRETED
     assert isinstance(ops._prefill_kernel, InterpretedFunction)
-
-
-# ---- plain PyTorch references ------------------------------------------------------------------
-def context(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """Positions 0..n-1 of one request read through its block table: [n, KVH, D] float32."""
-    bs = cache.shape[1]
-    pos = torch.arange(n)
-    return cache[table[pos // bs].long(), pos % bs].float()
-
-
-def ref_attention(q, k_cache, v_cache, table, q_lens, seq_lens, scale) -> torch.Tensor:
-    """Each request's queries sit at the last q_len positions of its seq_len; causal; GQA."""
-    outs, start = [], 0
-    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-        qq = q[start:start + ql].float()
-        g = qq.shape[1] // k_cache.shape[2]
-        k = context(k_cache, table[r], sl).repeat_interleave(g, 1)
-        v = context(v_cache, table[r], sl).repeat_interleave(g, 1)
-        s = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        hidden = torch.arange(sl)[None, :] > torch.arange(sl - ql, sl)[:, None]
-        s = s.masked_fill(hidden[None], float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
-        start += ql
-    return torch.cat(outs)
-
-
-def make_cache(num_blocks, bs, kvh, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(num_blocks, bs, kvh, D, generator=g).to(dtype) for _ in range(2)]
-
-
-def shuffled_tables(num_reqs, width, num_blocks, seed=0) -> torch.Tensor:
-    """Disjoint, non-contiguous, out-of-order blocks for each request."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(num_blocks, generator=g)[:num_reqs * width].view(num_reqs, width).int()
 
 
 # ---- store_kvcache -------------------------------------------------------------------------
@@ -265,13 +231,21 @@ def test_engine_with_triton_backend_prefix_hit_matches_hf(tiny_qwen3):
 
 class _EagerGraph:
     """Stands in for a captured CUDA graph on CPU: replay() re-runs the captured call eagerly
-    into the same output tensor, so the static-buffer plumbing runs as it would on a GPU."""
+    into the same output tensor, so the static-buffer plumbing runs as it would on a GPU. Like a
+    real graph it owns none of the tensors it reads: it holds them by weak reference, and a
+    replay whose inputs were freed fails (on a GPU it would read reused memory)."""
 
     def __init__(self, fn, out):
-        self.fn, self.out, self.replays = fn, out, 0
+        (args,) = fn.__defaults__             # DecodeGraphs captures `lambda args=args: ...`
+        self.model = fn.__closure__[0].cell_contents
+        self.refs = [weakref.ref(a) if isinstance(a, torch.Tensor) else (lambda a=a: a)
+                     for a in args]
+        self.out, self.replays = out, 0
 
     def replay(self):
-        self.out.copy_(self.fn())
+        args = [r() for r in self.refs]
+        assert all(a is not None for a in args), "a captured input was freed"
+        self.out.copy_(self.model(*args))
         self.replays += 1
 
     def pool(self):
@@ -283,8 +257,7 @@ def test_cuda_runner_logic_on_cpu_with_eager_graphs(tiny_llama, monkeypatch):
     from kvflow.model.cuda_graphs import DecodeGraphs, capture_sizes
     from kvflow.model.cuda_runner import CudaModelRunner
     def eager_capture(fn, pool):
-        graph = _EagerGraph(fn, fn())
-        return graph, graph.out
+        return (graph := _EagerGraph(fn, fn())), graph.out
 
     monkeypatch.setattr(DecodeGraphs, "_capture", staticmethod(eager_capture))
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", attention_backend="triton",

@@ -38,7 +38,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         rows = torch.arange(n, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, AttentionMetadata, torch.Tensor]] = {}
+        # A captured graph reads its inputs by address and owns none of them: every tensor it
+        # reads is kept alive here with it (args), or replays would read freed, reused memory.
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, AttentionMetadata, torch.Tensor,
+                                     tuple]] = {}
         pool = None
         # Largest first, so the smaller graphs fit in the memory pool the first one reserved.
         for b in reversed(self.sizes):
@@ -55,7 +58,7 @@ class DecodeGraphs:
                 self._sync()
                 graph, out = self._capture(lambda args=args: model(*args), pool)
             pool = graph.pool()
-            self.graphs[b] = (graph, meta, out)
+            self.graphs[b] = (graph, meta, out, args)
         self._sync()
 
     def _sync(self) -> None:
@@ -78,7 +81,7 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of a decode-only step (every row, sampled or not)."""
         n = len(st.input_ids)
         b = self.sizes[bisect.bisect_left(self.sizes, n)]
-        graph, _, out = self.graphs[b]
+        graph, _, out, _ = self.graphs[b]
 
         def up(dst: torch.Tensor, data: list, dtype: torch.dtype) -> None:
             dst.copy_(host(data, dtype, dst.device), non_blocking=True)
