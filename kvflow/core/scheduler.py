@@ -120,12 +120,14 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 1. Running requests, in order: decodes ask for 1 token, partial prefills for the rest.
+        # A request alone in the system is not capped: chunking it would only add steps.
+        alone = len(running) == 1 and not self.waiting
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
             n = len(req.all_token_ids) - computed
-            if 0 < threshold < n:
+            if 0 < threshold < n and not alone:
                 n = threshold
             if n > budget:
                 n = budget
@@ -200,7 +202,7 @@ class Scheduler:
             num_tokens = len(req.all_token_ids)
             n = num_tokens - num_hit
             if c.enable_chunked_prefill:
-                if 0 < threshold < n:
+                if 0 < threshold < n and (running or len(waiting) > 1):
                     n = threshold
             elif n > budget and n <= self.max_num_batched_tokens:
                 break   # no chunking: the whole uncached part must fit in this step
