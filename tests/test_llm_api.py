@@ -326,3 +326,21 @@ def test_engine_step_loop_and_abort(tiny_llama):
     eng.add_request("a", [5, 6, 7], sp)                       # the id is free again
     eng.abort_request("a")
     assert_idle(eng)
+
+
+def test_generate_hands_every_prompt_to_the_scheduler_before_the_first_step(llm):
+    engine, first = llm.llm_engine, []
+    inner = engine.step
+
+    def step():
+        if not first:
+            first.append(len(engine.scheduler.waiting) + len(engine.scheduler.running))
+        return inner()
+
+    engine.step = step
+    try:
+        llm.generate([{"prompt_token_ids": [5 + i, 9]} for i in range(30)],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        engine.step = inner
+    assert first == [30]

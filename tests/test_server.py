@@ -244,3 +244,26 @@ def test_client_disconnect_aborts_the_request(server, stream):
         metric(before, name, finished_reason="abort") + 1
     assert metric(after, name, finished_reason="length") == \
         metric(before, name, finished_reason="length")
+
+
+def test_a_batch_completion_reaches_the_scheduler_as_a_batch(server, client):
+    """All prompts of one request are added before the engine's next step (not one per step)."""
+    wait_idle(server.llm)
+    engine, steps = server.llm.engine, []
+    inner = engine.step
+
+    def counting_step():
+        out = inner()
+        steps.append(sum(len(o.outputs[0].token_ids) for o in out))
+        return out
+
+    engine.step = counting_step
+    try:
+        prompts = [[5 + i, 9, 13] for i in range(40)]
+        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=1,
+                                      temperature=0)
+    finally:
+        engine.step = inner
+    assert len(r.choices) == 40
+    assert steps[0] == 40 and len(steps) == 1       # one step runs every prompt
+    assert wait_idle(server.llm)["free_blocks"] == wait_idle(server.llm)["num_blocks"]

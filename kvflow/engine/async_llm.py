@@ -124,11 +124,11 @@ class AsyncLLM:
     def errored(self) -> bool:
         return not self.is_running
 
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, *cmds: tuple) -> None:
         with self._cv:
             if self._dead is not None or self._stopping:
                 raise EngineDeadError(f"the engine is not running ({self._dead!r})")
-            self._commands.append(cmd)
+            self._commands.extend(cmds)
             self._cv.notify()
 
     async def add_request(self, request_id: str, prompt,
@@ -139,18 +139,27 @@ class AsyncLLM:
         ValueErrors of LLMEngine.add_request (bad prompt, too long, duplicate id, ...) are raised
         here. Whoever holds the stream must iterate it to the end or close() it (which aborts).
         """
+        (stream,) = await self.add_requests([(request_id, prompt, sampling_params, priority)])
+        return stream
+
+    async def add_requests(self, items: list[tuple]) -> list["RequestStream"]:
+        """add_request for several (request_id, prompt, sampling_params, priority) at once: all
+        reach the engine together, before its next step, so a batch is scheduled as a batch.
+        All or none: if one is refused, the others are aborted and its error is raised."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", request_id, prompt, sampling_params, priority, queue, loop, added,
-                      time.monotonic()))
+        now = time.monotonic()
+        queues = [asyncio.Queue() for _ in items]
+        futs = [concurrent.futures.Future() for _ in items]
+        self._submit(*(("add", rid, prompt, sp, prio, q, loop, fut, now)
+                       for (rid, prompt, sp, prio), q, fut in zip(items, queues, futs)))
         try:
-            await asyncio.wrap_future(added)
-        except asyncio.CancelledError:
-            if not added.cancel() and not (added.done() and added.exception() is not None):
-                self._abort_quietly(request_id)     # added (or being added): take it out
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        except BaseException:
+            for (rid, *_), fut in zip(items, futs):
+                if not fut.cancel() and not (fut.done() and fut.exception() is not None):
+                    self._abort_quietly(rid)     # added (or being added): take it out
             raise
-        return RequestStream(self, request_id, queue)
+        return [RequestStream(self, rid, q) for (rid, *_), q in zip(items, queues)]
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,

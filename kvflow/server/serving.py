@@ -113,24 +113,14 @@ class OpenAIServing:
 
     async def _add(self, rid: str, prompts: list[tuple[str | None, list[int]]],
                    sp: SamplingParams, priority: int) -> list[RequestStream]:
-        streams: list[RequestStream] = []
+        items = [(f"{rid}-{i}", {"prompt_token_ids": ids, "prompt": text}, sp, priority)
+                 for i, (text, ids) in enumerate(prompts)]
         try:
-            for i, (text, ids) in enumerate(prompts):
-                p = {"prompt_token_ids": ids, "prompt": text}
-                streams.append(await self.llm.add_request(f"{rid}-{i}", p, sp, priority))
+            return await self.llm.add_requests(items)      # one batch, admitted together
         except ValueError as e:
-            for s in streams:
-                s.close()
             raise ApiError(400, str(e), None) from None
         except EngineDeadError as e:
-            for s in streams:
-                s.close()
             raise ApiError(503, str(e), None, type="server_error") from None
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
-        return streams
 
     # ---- /v1/completions ------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest):
