@@ -161,7 +161,7 @@ def server(tiny_llama):
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_bench_serve_against_kvflow(server, tiny_llama, tmp_path, capsys, backend):
-    before = metrics(server.url)
+    before = metrics(server.url, server.api_key)
     out = tmp_path / "result.json"
     n, out_len = 12, 8
     rc = main(["bench", "serve", "--base-url", server.url, "--backend", backend,
@@ -191,7 +191,7 @@ def test_bench_serve_against_kvflow(server, tiny_llama, tmp_path, capsys, backen
     assert r["mean_e2el_ms"] >= r["mean_ttft_ms"]
     assert r["output_throughput"] == pytest.approx(n * out_len / r["duration"])
     # the server saw the same traffic: n requests + 1 warm-up of min(out_len, 4) tokens
-    after = metrics(server.url)
+    after = metrics(server.url, server.api_key)
     gen = metric(after, "vllm:generation_tokens_total") - metric(
         before, "vllm:generation_tokens_total")
     assert gen == n * out_len + 4
