@@ -112,30 +112,42 @@ async def _refused(url: str, tries: int = 100) -> bool:
     return False
 
 
+async def _running(http: httpx.AsyncClient, url: str, n: int) -> None:
+    while True:
+        text = (await http.get(url + "/metrics")).text
+        if f"vllm:num_requests_running{{model_name=\"tiny\"}} {float(n)}" in text:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def _sigterm_during_streams(proc, url: str):
     async with httpx.AsyncClient(timeout=120) as http:
         started = [asyncio.Event(), asyncio.Event()]
         short = asyncio.create_task(_read_stream(http, url, 8, started[0]))
         long = asyncio.create_task(_read_stream(http, url, 400, started[1]))
+        plain = asyncio.create_task(http.post(url + "/v1/completions", json={
+            "prompt": "A dog", "max_tokens": 400, "ignore_eos": True}))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        await asyncio.wait_for(_running(http, url, 3), 60)
         proc.send_signal(signal.SIGTERM)
         refused = await _refused(url)
-        return refused, *await asyncio.wait_for(asyncio.gather(short, long), 120)
+        return refused, *await asyncio.wait_for(asyncio.gather(short, long, plain), 120)
 
 
 def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny_llama):
     """SIGTERM: no new connections; a stream that ends within --shutdown-timeout ends normally,
-    one still running then gets an error event and [DONE] instead of a silent cut."""
+    one still running then gets an error event and [DONE] instead of a silent cut, and a
+    non-streamed request still running a 503."""
     port = _free_port()
     cmd = [sys.executable, "-c", SLOW_SERVE, "serve", "--model", tiny_llama, "--port", str(port),
            "--dtype", "float32", "--num-threads", "1", "--max-model-len", "512",
-           "--shutdown-timeout", "4", "--log-level", "info"]
+           "--shutdown-timeout", "4", "--served-model-name", "tiny", "--log-level", "info"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, url)
-        refused, short, long = asyncio.run(_sigterm_during_streams(proc, url))
+        refused, short, long, plain = asyncio.run(_sigterm_during_streams(proc, url))
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -148,5 +160,6 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny
     err = json.loads(long[-2])["error"]
     assert err["code"] == 503 and "shutting down" in err["message"], long[-3:]
     assert all("error" not in json.loads(e) for e in long[:-2])
+    assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Traceback" not in out, out

@@ -39,8 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
-from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.http_server import make_server
+from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, ErrorResponse, TokenizeRequest, printable)
 from kvflow.server.serving import OpenAIServing, SSEStream

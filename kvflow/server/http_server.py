@@ -46,7 +46,7 @@ class TimedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         self._phase, self._timer = None, None
         super().connection_made(transport)
-        self._follow_phase()
+        self._follow_phase(fresh=True)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -56,10 +56,14 @@ class TimedH11Protocol(H11Protocol):
         self._cancel_timer()
         super().connection_lost(exc)
 
-    def _follow_phase(self) -> None:
-        # IDLE with bytes pending (or a fresh connection): reading headers; SEND_BODY: the body.
+    def _follow_phase(self, fresh: bool = False) -> None:
+        # Reading headers: a fresh connection, or bytes of a next request; the body: SEND_BODY.
+        # An idle keep-alive connection (IDLE, nothing buffered) is uvicorn's keep-alive timeout's.
         state = self.conn.their_state
-        phase = "headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
+        if state is h11.IDLE:
+            phase = "headers" if fresh or self.conn.trailing_data[0] else None
+        else:
+            phase = "body" if state is h11.SEND_BODY else None
         if phase == self._phase:
             return
         self._cancel_timer()
@@ -88,11 +92,8 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # An idle keep-alive connection is uvicorn's business until its next request starts.
-        if self.conn.their_state is h11.IDLE:
-            self._cancel_timer()
-            self._phase = None
+        super().on_response_complete()      # may start a pipelined request
+        self._follow_phase()
 
 
 class KvflowServer(uvicorn.Server):

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-# int64, like torch's tensors and generators: a larger value is a 400, not an overflow in the engine.
+# int64, like torch tensors and generators: a larger value is a 400, not an overflow in the engine.
 Int = Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)]
 # Strict, but ints are accepted (and become floats); Infinity/NaN/1e999 are 400s.
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
