@@ -19,11 +19,13 @@ ENGINE = dict(dtype="float32", num_threads=1, max_model_len=256)
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, api_key: str | None = None, name: str = "tiny", **engine_kw):
+def running_server(model_dir: str, api_key: str | None = None, name: str = "tiny",
+                   app_kw: dict | None = None, server_kw: dict | None = None, **engine_kw):
+    """app_kw go to build_app, server_kw to ServerThread (timeouts), the rest to EngineArgs."""
     threads = torch.get_num_threads()
     llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **{**ENGINE, **engine_kw}))
-    app = build_app(llm, name, api_key=api_key, model_path=model_dir)
-    srv = ServerThread(app).start()
+    app = build_app(llm, name, api_key=api_key, model_path=model_dir, **(app_kw or {}))
+    srv = ServerThread(app, **(server_kw or {})).start()
     try:
         yield SimpleNamespace(url=srv.url, llm=llm, app=app, name=name, api_key=api_key)
     finally:
@@ -53,8 +55,11 @@ def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> dict:
         time.sleep(0.02)
 
 
-def metrics(url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=30).text
+def metrics(url: str, api_key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    r.raise_for_status()
+    text = r.text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -2,6 +2,7 @@
 completions, chat, streaming, stop strings, usage, the API key, and client disconnects."""
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -12,6 +13,7 @@ from server_helpers import metric, metrics, running_server, wait_idle
 
 KEY = "sk-test-key"
 PROMPT = "The cat sees the red house"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_models_health_version(server, client):
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     assert r.json()["data"][0]["max_model_len"] == 256
     assert httpx.get(server.url + "/health").status_code == 200      # no key needed
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
 
 
 def test_completion_equals_offline_greedy(client, offline, server):
@@ -169,29 +171,68 @@ def test_sampling_fields(client):
     assert a.usage.completion_tokens == 8
 
 
-def test_api_key_required_on_v1(server):
+ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+          ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+          ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/version"),
+          ("GET", "/no-such-route")]
+def test_api_key_required_on_every_route_but_health(server):
     bad = openai.OpenAI(api_key="wrong", base_url=server.url + "/v1", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as ei:
         bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert ei.value.status_code == 401
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                             ("POST", "/v1/chat/completions")):
+        for method, path in ROUTES:
             r = httpx.request(method, server.url + path, headers=headers, json={})
             assert r.status_code == 401, (headers, path)
             assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    for method, path in ROUTES[5:9]:
+        assert httpx.request(method, server.url + path, headers=AUTH).status_code == 200, path
+
+
+def test_metrics_no_auth_leaves_only_metrics_open(tiny_llama):
+    with running_server(tiny_llama, api_key=KEY, app_kw={"public_metrics": True},
+                        max_model_len=64) as s:
+        assert "vllm:num_requests_running" in httpx.get(s.url + "/metrics").text
+        assert httpx.get(s.url + "/health").status_code == 200
+        for method, path in ROUTES:
+            if path != "/metrics":
+                assert httpx.request(method, s.url + path, json={}).status_code == 401, path
+
+
+def test_openapi_declares_bodies_and_response_types(server):
+    doc = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    schemas, paths = doc["components"]["schemas"], doc["paths"]
+
+    def body_schema(path):
+        ref = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        return schemas[ref.rsplit("/", 1)[1]]
+    assert {"prompt", "max_tokens", "stream"} <= set(body_schema("/v1/completions")["properties"])
+    assert "prompt" in body_schema("/v1/completions")["required"]
+    chat = body_schema("/v1/chat/completions")
+    assert "messages" in chat["required"] and "ChatMessage" in schemas
+    assert "prompt" in body_schema("/tokenize")["properties"]
+    assert "tokens" in body_schema("/detokenize")["required"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        ok = paths[path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(ok)
+        bad = paths[path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        assert bad["$ref"].endswith("/ErrorResponse")
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc))
+    assert refs and set(refs) <= set(schemas)        # every reference resolves
 
 
 def test_tokenize_detokenize(server):
     tok = server.llm.tokenizer
-    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert r["tokens"] == tok.encode(PROMPT) and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == 256
-    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]},
+                      headers=AUTH).json()
     assert back["prompt"] == PROMPT
     msgs = [{"role": "user", "content": "hi"}]
-    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers=AUTH).json()
     assert r["tokens"] == tok.encode_chat(msgs)
 
 
@@ -217,7 +258,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
     """A client that goes away, streamed or not, gets its request aborted: its blocks are freed
     and it counts as finished_reason="abort", not as completed."""
     llm = server.llm
-    before = metrics(server.url)
+    before = metrics(server.url, server.api_key)
     _slow_steps(llm, 0.02)      # 200 tokens would now take >= 4 s
     try:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
@@ -238,7 +279,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
         _unpatch(llm)
     assert st["unfinished"] == 0 and st["states"] == 0
     assert st["free_blocks"] == st["num_blocks"]
-    after = metrics(server.url)
+    after = metrics(server.url, server.api_key)
     name = "vllm:request_success_total"
     assert metric(after, name, finished_reason="abort") == \
         metric(before, name, finished_reason="abort") + 1

@@ -123,8 +123,8 @@ def test_oversized_body_413(server):
         for _ in range(40):
             yield b"y" * 65536
         yield b'"}'
-    _check_error(httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30), 413,
-                 None, "limit")
+    _check_error(httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
+                            headers={"Content-Type": "application/json"}), 413, None, "limit")
 
 
 def test_wrong_method_and_unknown_route(server):

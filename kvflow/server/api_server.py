@@ -4,10 +4,17 @@
 it with uvicorn on a background thread (tests, `kvflow bench serve --self-test`); `kvflow serve`
 (kvflow/server/cli.py) runs it in the foreground.
 
-Bad input never reaches the engine as an exception: bodies are read here with a size limit (413),
-parsed (400 on malformed JSON), validated strictly (400 naming the field), checked against the
-model (404) and the context length (400); ValueErrors of the engine's add_request become 400s. A
-client that goes away, streaming or not, gets its requests aborted (see _until_disconnect).
+Bad input never reaches the engine as an exception: bodies are read in one place (_read_json)
+with a content-type check (415: a web page's form post cannot drive a keyless local server) and a
+size limit (413), parsed with every parser failure a 400 (malformed or 100,000-deep JSON, a
+5,000-digit integer, a lone surrogate such as "\\ud800" that no tokenizer or encoder accepts),
+validated strictly (400 naming the field), checked against the model (404) and the context length
+(400); ValueErrors of the engine's add_request become 400s. Error bodies are always encodable. A
+500 means a bug in kvflow.
+
+A client that goes away, streaming or not, gets its requests aborted (see _until_disconnect); one
+that goes away mid-body is logged in one line. On shutdown (see http_server.KvflowServer) running
+requests get a grace period (Drain), then end with a 503 or, streaming, an error event.
 """
 from __future__ import annotations
 
@@ -15,25 +22,42 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
+import re
+import reprlib
 import socket
 import threading
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+from kvflow.server.http_server import make_server
 from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                    DetokenizeRequest, TokenizeRequest)
+                                    DetokenizeRequest, ErrorResponse, TokenizeRequest, printable)
 from kvflow.server.serving import OpenAIServing, SSEStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+_OFF_LOOP_BYTES = 64 << 10      # bodies larger than this are parsed in a worker thread
+# A \\u escape of a UTF-16 surrogate: the only way a lone surrogate gets into parsed JSON.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_reprs = reprlib.Repr()
+_reprs.maxstring = _reprs.maxother = 80
+_repr = _reprs.repr
+logger = logging.getLogger("uvicorn.error")
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before its request body was complete."""
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -41,18 +65,21 @@ def _error_response(e: ApiError) -> JSONResponse:
 
 
 class _Guard:
-    """Pure ASGI middleware: API key on /v1 routes (401) and a declared body too large (413)."""
+    """Pure ASGI middleware: the API key on every route but /health (and /metrics if made
+    public) (401), and a declared body too large (413)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+                 public_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             err = None
             headers = dict(scope["headers"])
-            if self.expected is not None and scope["path"].startswith("/v1"):
+            if self.expected is not None and scope["path"] not in self.public_paths:
                 got = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(got, self.expected):
                     err = ApiError(401, "Incorrect or missing API key: send 'Authorization: "
@@ -72,21 +99,74 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
-async def _read_json(request: Request, limit: int) -> dict:
+def _check_content_type(request: Request) -> None:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the body must be JSON, sent with 'Content-Type: application/json' "
+                            f"(got {media or 'no Content-Type'!r})", None,
+                       code="unsupported_media_type")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     body, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None,
-                           code="request_too_large")
-        body.append(chunk)
     try:
-        obj = json.loads(b"".join(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None,
+                               code="request_too_large")
+            body.append(chunk)
+    except ClientDisconnect:
+        raise _ClientGone() from None
+    return b"".join(body)
+
+
+def _lone_surrogate_field(obj: dict) -> str | None:
+    """The top-level key under which obj holds a string with a lone surrogate (iteratively:
+    the nesting depth is up to the client)."""
+    for key, value in obj.items():
+        stack = [key, value]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, str):
+                if not x.isascii():
+                    try:
+                        x.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return key
+            elif isinstance(x, dict):
+                stack.extend(x.keys())
+                stack.extend(x.values())
+            elif isinstance(x, list):
+                stack.extend(x)
+    return None
+
+
+def _parse_json(raw: bytes) -> dict:
+    """Every way json.loads can fail on client bytes is a 400: syntax, encoding (UnicodeError),
+    nesting too deep (RecursionError), integers over Python's 4,300-digit limit (ValueError)."""
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply", None) from None
+    except (ValueError, UnicodeError) as e:         # JSONDecodeError is a ValueError
         raise ApiError(400, f"malformed JSON body: {e}", None) from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}", None)
+    if _SURROGATE_ESCAPE.search(raw):
+        field = _lone_surrogate_field(obj)
+        if field is not None:
+            raise ApiError(400, f"{field}: a string holds a lone UTF-16 surrogate (such as "
+                                f"\\ud800), which is not valid Unicode", printable(field))
     return obj
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    _check_content_type(request)
+    raw = await _read_body(request, limit)
+    if len(raw) > _OFF_LOOP_BYTES:      # a megabyte of JSON takes milliseconds: not on the loop
+        return await asyncio.to_thread(_parse_json, raw)
+    return _parse_json(raw)
 
 
 def _validate(model: type[BaseModel], obj: dict):
@@ -99,7 +179,8 @@ def _validate(model: type[BaseModel], obj: dict):
         # Drop pydantic's union-member tags ('str', 'list[int]', ...) from the location.
         where = ".".join(str(x) for x in first["loc"] if isinstance(x, int) or (
             x not in _TYPE_TAGS and "[" not in x and "-" not in x))
-        got = repr(first.get("input"))[:80] if first["type"] != "missing" else None
+        # reprlib: bounded in length and depth (the input may be 900 levels deep)
+        got = _repr(first.get("input")) if first["type"] != "missing" else None
         msg = f"{where}: {first['msg']}" + (f" (got {got})" if got else "")
         raise ApiError(400, msg, param) from None
 
@@ -111,30 +192,75 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
-async def _until_disconnect(receive, coro):
-    """Run coro, cancelling it if the client disconnects first (its streams then abort)."""
+class Drain:
+    """The shutdown grace period: `expired` is set `grace` seconds after begin(); requests still
+    running then end with a 503, streams with an error event."""
+
+    def __init__(self) -> None:
+        self.expired = asyncio.Event()
+
+    def begin(self, grace: float) -> None:
+        asyncio.get_running_loop().call_later(max(grace, 0.0), self.expired.set)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", None, type="server_error")
+
+
+async def _until_disconnect(receive, coro, expired: asyncio.Event | None = None):
+    """Run coro, cancelling it if the client disconnects first (its streams then abort; returns
+    None) or the shutdown grace period runs out (raises a 503)."""
     task = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_wait_disconnect(receive))
+    stop = asyncio.ensure_future(expired.wait() if expired is not None else asyncio.Future())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if stop in done and watch not in done:
+            raise _shutting_down()
         return None
     finally:
         watch.cancel()
+        stop.cancel()
         if not task.done():
             task.cancel()
+
+
+async def _until_expired(body, expired: asyncio.Event):
+    """body's chunks until the shutdown grace period runs out; then an error event and [DONE]
+    instead of a silent cut (cancelling the body's generator aborts its requests)."""
+    it = body.__aiter__()
+    stop = asyncio.ensure_future(expired.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+                yield f"data: {json.dumps(_shutting_down().body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        stop.cancel()
 
 
 class _SSEResponse(StreamingResponse):
     """text/event-stream that aborts its requests however it ends (done, error, disconnect,
     or never started)."""
 
-    def __init__(self, stream: SSEStream) -> None:
-        super().__init__(stream.body, media_type="text/event-stream",
+    def __init__(self, stream: SSEStream, expired: asyncio.Event) -> None:
+        super().__init__(_until_expired(stream.body, expired), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream
 
@@ -145,24 +271,68 @@ class _SSEResponse(StreamingResponse):
             self._stream.close()
 
 
+_BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+    (413, "Body too large"), (415, "Body not sent as application/json"),
+    (503, "Engine not running, or the server is shutting down"))}
+_GENERATED = {200: {"description": "The answer as JSON, or with stream=true server-sent events "
+                                   "(data: <chunk JSON> ... data: [DONE])",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """openapi_extra declaring model as the JSON request body (the route reads it itself)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _with_body_schemas(app: FastAPI):
+    """app.openapi, plus the request models' schemas (routes declare them by $ref only)."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            _, top = models_json_schema([(m, "validation") for m in _BODY_MODELS],
+                                        ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
+
+
 def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_path: str | None = None,
-              ) -> FastAPI:
+              public_metrics: bool = False) -> FastAPI:
+    """public_metrics: /metrics needs no API key (for Prometheus scrapers)."""
     from kvflow import __version__
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name is empty")
     app = FastAPI(title="kvflow OpenAI-compatible server", version=__version__)
+    app.openapi = _with_body_schemas(app)
     serving = OpenAIServing(async_llm, names)
     metrics = PrometheusStatLogger(names[0])
     async_llm.add_stat_logger(metrics)
     app.state.async_llm, app.state.serving, app.state.metrics = async_llm, serving, metrics
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.drain = drain = Drain()
+    public = frozenset({"/health", "/metrics"} if public_metrics else {"/health"})
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       public_paths=public)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return _error_response(e)
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request, e: _ClientGone):
+        # One line, not a traceback: nothing is wrong with the server. Nobody reads the 499.
+        logger.info("%s went away before sending all of its %s %s body",
+                    request.client, request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
@@ -173,9 +343,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
-        return _error_response(ApiError(e.status_code, str(e.detail), None,
-                                        type="invalid_request_error" if e.status_code < 500
-                                        else "server_error"))
+        # e.headers carries a 405's Allow header
+        r = _error_response(ApiError(e.status_code, str(e.detail), None,
+                                     type="invalid_request_error" if e.status_code < 500
+                                     else "server_error"))
+        r.headers.update(e.headers or {})
+        return r
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request, e: EngineDeadError):
@@ -183,9 +356,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):
+        # A bug in kvflow (client input never gets here); uvicorn logs the traceback.
         return _error_response(ApiError(500, f"internal error: {e!r}", None, type="server_error"))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: _ERRORS[503]})
     async def health():
         if not async_llm.is_running:
             return _error_response(ApiError(503, "the engine is not running", None,
@@ -196,7 +370,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -209,41 +384,46 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     async def _generate(request: Request, model: type[BaseModel], handler):
         req = _validate(model, await _read_json(request, max_body_bytes))
-        result = await _until_disconnect(request.receive, handler(req))
+        result = await _until_disconnect(request.receive, handler(req), drain.expired)
         if result is None:      # the client is gone; nobody reads this
             return Response(status_code=499)
         if isinstance(result, SSEStream):
-            return _SSEResponse(result)
+            return _SSEResponse(result, drain.expired)
         return JSONResponse(result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_GENERATED)
     async def completions(request: Request):
         return await _generate(request, CompletionRequest, serving.create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_GENERATED)
     async def chat_completions(request: Request):
         return await _generate(request, ChatCompletionRequest, serving.create_chat_completion)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ERRORS)
     async def tokenize(request: Request):
         req = _validate(TokenizeRequest, await _read_json(request, max_body_bytes))
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+        # tokenizing (up to a megabyte) and templating leave the event loop: streams go on
         if req.prompt is not None:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(serving.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)
         else:
-            ids = serving.render_chat(req.messages, req.add_generation_prompt)[1]
+            ids = (await asyncio.to_thread(serving.render_chat, req.messages,
+                                           req.add_generation_prompt))[1]
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ERRORS)
     async def detokenize(request: Request):
         req = _validate(DetokenizeRequest, await _read_json(request, max_body_bytes))
         serving.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is not in [0, {serving.vocab_size})", "tokens")
-        return {"prompt": serving.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(serving.tokenizer.decode, req.tokens)}
 
     return app
 
@@ -252,14 +432,14 @@ class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 (a free port by default) from a daemon thread."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        import uvicorn
+                 log_level: str = "warning", **server_kw) -> None:
+        """server_kw: header_timeout, body_timeout, shutdown_timeout (see make_server)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                    timeout_graceful_shutdown=2))
+        self.server = make_server(app, log_level=log_level,
+                                  **{"shutdown_timeout": 2.0, **server_kw})
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="kvflow-uvicorn", daemon=True)
 

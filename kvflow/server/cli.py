@@ -5,6 +5,10 @@ import os
 import sys
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+# Seconds; here rather than in http_server so that building the parser imports no uvicorn.
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def add_serve_parser(sub, add_engine_args) -> None:
@@ -15,12 +19,26 @@ def add_serve_parser(sub, add_engine_args) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVFLOW_API_KEY)")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="with --api-key, leave /metrics open (for Prometheus scrapers)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use (default: the model path's basename, or "
                         f"{DEFAULT_SERVED_NAME} for the embedded model)")
-    p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-request-body-bytes", type=int, default=1 << 20,
+                   help="larger bodies get a 413 (default: 1 MiB)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client has to send a request's line and headers, from its "
+                        "first byte; a late one gets a 408 and is disconnected "
+                        f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a client has to send a request's body, after its headers "
+                        f"(default: {DEFAULT_BODY_TIMEOUT:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests have to finish before "
+                        "they end with an error (streams: an error event) "
+                        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -33,12 +51,11 @@ def served_name(model: str | None) -> str:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from kvflow.cli import engine_kwargs
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.llm_engine import EngineArgs
     from kvflow.server.api_server import build_app
+    from kvflow.server.http_server import make_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -51,14 +68,18 @@ def cmd_serve(args) -> int:
     else:
         path = model
     app = build_app(llm, names, api_key=args.api_key,
-                    max_body_bytes=args.max_request_body_bytes, model_path=path)
+                    max_body_bytes=args.max_request_body_bytes, model_path=path,
+                    public_metrics=args.metrics_no_auth)
     c = llm.scheduler_config
     print(f"kvflow serve: {names[0]} on http://{args.host}:{args.port} (max_model_len "
           f"{c.max_model_len}, {c.num_blocks} KV blocks of {c.block_size}, max_num_seqs "
           f"{c.max_num_seqs}, load {llm.engine.load_time:.1f} s)", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                    header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                    shutdown_timeout=args.shutdown_timeout).run()
+    except KeyboardInterrupt:       # uvicorn re-raises the Ctrl-C it shut down for (as uvicorn.run)
+        pass
     finally:
         llm.shutdown()
     return 0

@@ -2,7 +2,9 @@
 
 Types are strict: `"max_tokens": "16"` is a 400, not a silent coercion. Unknown fields are
 ignored (OpenAI clients send fields kvflow does not use); fields kvflow knows but does not
-implement are rejected when they ask for something other than the default (e.g. n=2).
+implement are rejected when they ask for something other than the default (e.g. n=2). Integers
+must fit in int64 and numbers must be finite (as vLLM's bounds), so no huge or infinite value
+reaches torch.
 """
 from __future__ import annotations
 
@@ -10,8 +12,16 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = StrictFloat      # strict, but ints are accepted (and become floats)
-TokenIds = list[StrictInt]
+# int64, like torch tensors and generators: a larger value is a 400, not an overflow in the engine.
+Int = Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)]
+# Strict, but ints are accepted (and become floats); Infinity/NaN/1e999 are 400s.
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+TokenIds = list[Int]
+
+
+def printable(text: str) -> str:
+    """text with lone surrogates as \\udxxx escapes: always encodable as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ApiError(Exception):
@@ -20,6 +30,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  type: str = "invalid_request_error", code: str | int | None = None) -> None:
         super().__init__(message)
+        message, param = printable(message), param if param is None else printable(param)
         self.status, self.message, self.param, self.type = status, message, param, type
         self.code = code if code is not None else status
 
@@ -38,19 +49,19 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = None
+    max_tokens: Int | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    top_k: StrictInt | None = None
-    seed: StrictInt | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    n: StrictInt = 1
+    stop_token_ids: list[Int] | None = None
+    n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    priority: StrictInt = 0
+    priority: Int = 0
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: Int = 0
     user: StrictStr | None = None
     request_id: StrictStr | None = None
     # Known, not implemented: accepted only at their neutral values.
@@ -58,7 +69,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
     logprobs: Any = None
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -75,9 +86,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Int | None = None
     add_generation_prompt: StrictBool = True
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
     tools: Any = None
     response_format: Any = None
 
@@ -95,6 +106,18 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: StrictStr | None = None
     tokens: TokenIds
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (declared in the OpenAPI document)."""
+    error: ErrorInfo
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -137,7 +137,8 @@ class OpenAIServing:
             raw_prompts = list(p)
         if not raw_prompts:
             raise ApiError(400, "prompt must not be empty", "prompt")
-        prompts = [self._prompt_ids(x) for x in raw_prompts]
+        # Tokenizing (up to a megabyte) leaves the event loop, so other streams go on meanwhile.
+        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(x) for x in raw_prompts])
         sp = self._sampling_params(req, req.max_tokens, 16, [len(ids) for _, ids in prompts],
                                    "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -162,7 +163,8 @@ class OpenAIServing:
             raise ApiError(400, "tools are not supported", "tools")
         if req.response_format not in (None, {"type": "text"}):
             raise ApiError(400, "response_format is not supported", "response_format")
-        text, ids = self.render_chat(req.messages, req.add_generation_prompt)
+        text, ids = await asyncio.to_thread(self.render_chat, req.messages,
+                                            req.add_generation_prompt)     # off the loop
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
