@@ -150,18 +150,6 @@ def test_rotary_matches_the_torch_path(dtype, head_dim):
         torch.ops.kvflow.rotary_(qk, torch.full((23,), 300), rope.cos, rope.sin)
 
 
-def test_bf16_linears_are_packed_once_and_the_plain_copies_dropped(tiny_llama):
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
-    llm = LLM(tiny_llama, dtype="bfloat16")
-    model = llm.llm_engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all("packed" in m.__dict__ and m.weight.numel() == 0 for m in linears)
-    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=4,
-                                                     ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_rows_by_slot_like_index_copy(dtype):
     g = torch.Generator().manual_seed(5)

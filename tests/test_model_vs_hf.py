@@ -139,8 +139,13 @@ def test_steps_mixing_decodes_and_prefill_chunks_match_hf(arch, request):
     assert [done[i] for i in range(len(prompts))] == reference(ckpt, prompts)
 
 
-def test_bfloat16_matches_hf_bfloat16(tiny_llama):
+# Both ways a bf16 CPU model runs its linears, whatever this CPU supports: oneDNN-packed where it
+# can ("auto"; the fallback elsewhere) and the float32 fallback forced.
+@pytest.mark.parametrize("bf16_pack", ["auto", "0"])
+def test_bfloat16_matches_hf_bfloat16(tiny_llama, bf16_pack, monkeypatch):
     from transformers import AutoModelForCausalLM
+    if bf16_pack == "0":
+        monkeypatch.setenv("KVFLOW_CPU_BF16_PACK", "0")
     prompt = _prompts()[-1]
     llm = LLM(tiny_llama, dtype="bfloat16")
     assert llm.llm_engine.dtype == torch.bfloat16

@@ -3,7 +3,9 @@ float32, cast to the model dtype at the same point) so float32 greedy outputs ma
 token; each layer is as few torch ops as possible, since on CPU every op costs a thread sync."""
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -11,12 +13,15 @@ from torch import nn
 
 
 def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linears made one."""
+    """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linear made one,
+    or in float32 when upcast_linear widened the weight (rounded once to x's dtype)."""
     packed = m.__dict__.get("packed")
     if packed is not None:
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, m.bias, "add")
+    if m.weight.dtype != x.dtype:
+        return _linear_upcast(x, m, residual)
     if residual is None:
         return F.linear(x, m.weight, m.bias)
     if m.bias is not None:
@@ -24,25 +29,68 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
     return torch.addmm(residual, x, m.weight.t())
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, device: str) -> int:
-    """Reorder every bf16 Linear weight once into oneDNN's blocked (AMX/AVX512) layout. A plain
-    matmul re-packs the weight on every call; packed, a 256-row decode matmul ran 20-27% faster
-    on the dev VM (results bit-identical, same oneDNN kernel). The plain weights are dropped.
-    Returns how many were packed."""
-    if dtype != torch.bfloat16 or device != "cpu" or not torch.backends.mkldnn.is_available():
-        return 0
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None:
-        return 0
-    n = 0
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.__dict__["packed"] = reorder(m.weight.detach(), 256)
-            # The packed copy replaces the plain weight, which nothing reads any more: keeping
-            # both would double the weights' memory (a 7B bf16 model would need 28 GB).
-            m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-            n += 1
-    return n
+def _linear_upcast(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    # Like oneDNN's bf16 path: exact products, float32 sums, bias and residual, one rounding.
+    y = F.linear(x.float(), m.weight, m.bias)
+    if residual is not None:
+        y += residual
+    return y.to(x.dtype)
+
+
+_PACK_ENV = "KVFLOW_CPU_BF16_PACK"
+
+
+def bf16_pack_supported() -> bool:
+    """Whether bf16 Linear weights can be packed for oneDNN here: torch's own test (AVX512BW/VL/DQ
+    or AVX-NE-CONVERT), confirmed by packing a tiny weight. KVFLOW_CPU_BF16_PACK=0 answers no on
+    any CPU, so that tests reach the fallback wherever they run."""
+    return os.environ.get(_PACK_ENV, "1") != "0" and _cpu_can_pack_bf16()
+
+
+@functools.cache
+def _cpu_can_pack_bf16() -> bool:
+    try:
+        if not (torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        _reorder(torch.zeros(16, 16, dtype=torch.bfloat16))
+        return True
+    except (AttributeError, RuntimeError):     # an older/other torch build, or a stricter check
+        return False
+
+
+def prepare_linears(linears: list[nn.Linear], dtype: torch.dtype, device: str) -> str | None:
+    """Get a bf16 CPU model's Linear weights ready for `linear`: packed for oneDNN where the CPU
+    supports it, else widened to float32, since torch's unpacked bf16 matmul is several times
+    slower there (BENCHMARKS.md). Returns "packed", "float32", or None (nothing to do)."""
+    if dtype != torch.bfloat16 or device != "cpu":
+        return None
+    how = "packed" if bf16_pack_supported() else "float32"
+    for m in linears:
+        (pack_linear if how == "packed" else upcast_linear)(m)
+    return how
+
+
+def pack_linear(m: nn.Linear) -> None:
+    """Reorder a bf16 weight once into oneDNN's blocked (AMX/AVX512) layout. A plain matmul
+    re-packs the weight on every call; packed, a 256-row decode matmul ran 20-27% faster on the
+    dev VM (results bit-identical, same oneDNN kernel)."""
+    m.__dict__["packed"] = _reorder(m.weight.detach())
+    # The packed copy replaces the plain weight, which nothing reads any more: keeping both
+    # would double the weights' memory (a 7B bf16 model would need 28 GB).
+    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+
+
+def _reorder(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, 256)     # 256: the decode batch to tune for
+
+
+def upcast_linear(m: nn.Linear) -> None:
+    """Hold a bf16 weight (and bias) in float32: the values are exact, and the fallback matmul
+    then runs at float32 speed, for twice the weights' memory."""
+    m.weight = nn.Parameter(m.weight.detach().float(), requires_grad=False)
+    if m.bias is not None:
+        m.bias = nn.Parameter(m.bias.detach().float(), requires_grad=False)
 
 
 def use_cpu_kernels(model: nn.Module, dtype: torch.dtype, device: str, enable: bool = True) -> bool:

@@ -89,9 +89,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        packed = self.__dict__.get("lm_packed")
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+        head = self.__dict__.get("lm_linear")     # the loader's packed or float32 head
+        if head is not None:
+            return linear(hidden, head)
         return torch.nn.functional.linear(hidden, self.lm_weight())
 
     # ---- weights -------------------------------------------------------------------------

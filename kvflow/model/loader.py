@@ -52,6 +52,21 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str =
     return want
 
 
+def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Pack or widen the Linear weights (layers.prepare_linears), the LM head's too. A tied head
+    is the embedding, which the lookup still needs in the model dtype: the head gets its own
+    Linear over it, which compute_logits uses."""
+    from kvflow.model.layers import prepare_linears
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    head = model.lm_head
+    if head is None:
+        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
+        head.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
+        linears.append(head)
+    if prepare_linears(linears, dtype, device):
+        model.__dict__["lm_linear"] = head
+
+
 def default_model_path() -> str:
     from kvflow.model.gguf_loader import default_model_path as p
     return p()
@@ -103,7 +118,7 @@ def _no_init():
 
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                 device: str = "cpu") -> tuple[ModelConfig, nn.Module, torch.dtype]:
-    from kvflow.model.layers import pack_linears, use_cpu_kernels
+    from kvflow.model.layers import use_cpu_kernels
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
@@ -118,9 +133,5 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
     model.rotary.build(dt, device)
     model.eval().requires_grad_(False)
     use_cpu_kernels(model, dt, device)
-    if pack_linears(model, dt, device):
-        # A tied LM head is the embedding, not an nn.Linear: it is packed on its own.
-        head = model.lm_head
-        model.__dict__["lm_packed"] = (head.__dict__["packed"] if head is not None else
-                                       torch.ops.mkldnn._reorder_linear_weight(model.lm_weight(), 256))
+    _prepare_linears(model, dt, device)
     return cfg, model, dt
