@@ -70,3 +70,15 @@ def metrics(url: str, api_key: str | None = None) -> dict:
 
 def metric(m: dict, name: str, **labels) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def slow_steps(llm: AsyncLLM, delay: float) -> None:
+    """Make every engine step take `delay` s longer (set and undone in the engine thread)."""
+    def patch(engine):
+        real = type(engine).step.__get__(engine)
+
+        def slow():
+            time.sleep(delay)
+            return real()
+        engine.step = slow
+    asyncio.run(llm.call_in_engine(patch))

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest
-from server_helpers import running_server, wait_idle
+from server_helpers import running_server, slow_steps, wait_idle
 
 OK = {"model": "tiny", "prompt": "The cat", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -251,13 +251,14 @@ HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl
         b"Content-Length: 100000\r\n\r\n")
 
 
-async def _trickler(port: int, mode: str) -> bytes:
-    """Send a request a byte every 0.2 s ('headers' or 'body'), or nothing ('silent'), until
-    the server closes the connection; returns what the server sent."""
+async def _trickler(port: int, mode: str, head: bytes = b"") -> bytes:
+    """Send `head`, then a byte every 0.2 s of the headers ('headers') or body ('body'), or
+    nothing ('silent'), until the server closes the connection; returns what the server sent."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     got = b""
     try:
-        if mode == "body":
+        writer.write(head)
+        if mode == "body" and not head:
             writer.write(HEAD + b'{"prompt": "')
         elif mode == "headers":
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
@@ -302,27 +303,9 @@ def test_trickling_clients_are_disconnected_and_do_not_starve_others(server):
 def test_body_trickled_after_an_early_answer_is_cut_off(server):
     """A 415 answered before the body arrived; trickling the body afterwards does not keep the
     connection open (uvicorn would: each byte resets its keep-alive timer)."""
-    async def run():
-        reader, writer = await asyncio.open_connection("127.0.0.1",
-                                                       int(server.url.rsplit(":", 1)[1]))
-        writer.write(HEAD.replace(b"application/json", b"text/plain"))
-        got = b""
-        try:
-            while True:
-                writer.write(b"a")
-                await writer.drain()
-                try:
-                    data = await asyncio.wait_for(reader.read(4096), 0.2)
-                except asyncio.TimeoutError:
-                    continue
-                if not data:
-                    return got
-                got += data
-        except (ConnectionError, OSError):
-            return got
-        finally:
-            writer.close()
-    got = asyncio.run(asyncio.wait_for(run(), GUARD_S))
+    port = int(server.url.rsplit(":", 1)[1])
+    head = HEAD.replace(b"application/json", b"text/plain")
+    got = asyncio.run(asyncio.wait_for(_trickler(port, "body", head), GUARD_S))
     assert got.startswith(b"HTTP/1.1 415 ")
 
 
@@ -360,18 +343,6 @@ async def _wait_for(cond, timeout: float) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
-
-
-def _slow_steps(llm, delay):
-    def patch(engine):
-        real = type(engine).step.__get__(engine)
-
-        def slow():
-            import time
-            time.sleep(delay)
-            return real()
-        engine.step = slow
-    asyncio.run(llm.call_in_engine(patch))
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
@@ -415,7 +386,7 @@ def test_tokenizing_a_900kb_prompt_does_not_stall_other_streams(server, path):
             return await asyncio.gather(streamer(http), heavy(http))
 
     tok.encode = encode
-    _slow_steps(llm, 0.02)
+    slow_steps(llm, 0.02)
     try:
         _, r = asyncio.run(asyncio.wait_for(run(), GUARD_S))
     finally:

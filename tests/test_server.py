@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from kvflow import LLM, SamplingParams
-from server_helpers import metric, metrics, running_server, wait_idle
+from server_helpers import metric, metrics, running_server, slow_steps, wait_idle
 
 KEY = "sk-test-key"
 PROMPT = "The cat sees the red house"
@@ -236,19 +236,6 @@ def test_tokenize_detokenize(server):
     assert r["tokens"] == tok.encode_chat(msgs)
 
 
-def _slow_steps(llm, delay):
-    """Make every engine step take `delay` s longer (set and undone in the engine thread)."""
-    def patch(engine):
-        real = type(engine).step.__get__(engine)
-
-        def slow():
-            import time
-            time.sleep(delay)
-            return real()
-        engine.step = slow
-    asyncio.run(llm.call_in_engine(patch))
-
-
 def _unpatch(llm):
     asyncio.run(llm.call_in_engine(lambda e: e.__dict__.pop("step", None)))
 
@@ -259,7 +246,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
     and it counts as finished_reason="abort", not as completed."""
     llm = server.llm
     before = metrics(server.url, server.api_key)
-    _slow_steps(llm, 0.02)      # 200 tokens would now take >= 4 s
+    slow_steps(llm, 0.02)      # 200 tokens would now take >= 4 s
     try:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
                 "stream": stream}
