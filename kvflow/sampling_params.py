@@ -81,8 +81,10 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {short_repr(self.stop)}")
+        if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, "
+                             f"got {short_repr(self.stop)}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self.stop = list(self.stop)

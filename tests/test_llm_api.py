@@ -289,6 +289,7 @@ def test_unknown_engine_arg_is_a_type_error(tiny_llama):
     (dict(max_model_len=0), "max_model_len"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(seed="x"), "seed"),
+    (dict(seed=1 << 64), "seed"),
 ])
 def test_bad_engine_args_raise_value_error(tiny_llama, kw, name):
     with pytest.raises(ValueError, match=name):

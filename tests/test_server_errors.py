@@ -173,15 +173,20 @@ def test_a_seed_beyond_64_bits_is_a_400_naming_seed_and_both_ends_of_the_range_w
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("stream", [False, True])
+# A ValueError is the request's own input at fault: a 400 naming the field; anything else a 500.
+@pytest.mark.parametrize("stream, exc, status, kind, param", [
+    (False, RuntimeError, 500, "server_error", None), (True, RuntimeError, 500, "server_error",
+                                                       None),
+    (False, ValueError, 400, "invalid_request_error", "stop"),
+    (True, ValueError, 400, "invalid_request_error", "stop")])
 def test_a_request_failing_in_the_engine_gets_an_error_body_and_the_server_keeps_serving(
-        server, monkeypatch, stream):
+        server, monkeypatch, stream, exc, status, kind, param):
     from kvflow.engine.detokenizer import IncrementalDetokenizer
     real = IncrementalDetokenizer.update
 
     def update(self, ids):      # requests with the stop string "<boom>" fail, alone
         if "<boom>" in self.stop:
-            raise RuntimeError("detokenizer boom")
+            raise exc("stop strings: detokenizer boom")
         return real(self, ids)
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
     r = _post(server.url + "/v1/completions", {**OK, "stop": ["<boom>"], "stream": stream})
@@ -191,9 +196,10 @@ def test_a_request_failing_in_the_engine_gets_an_error_body_and_the_server_keeps
         err = json.loads(events[-2].removeprefix("data: "))["error"]
         assert events[-1] == "data: [DONE]"
     else:
-        assert r.status_code == 500
+        assert r.status_code == status
         err = r.json()["error"]
-    assert err["type"] == "server_error" and "detokenizer boom" in err["message"]
+    assert (err["type"], err["param"], err["code"]) == (kind, param, status)
+    assert "detokenizer boom" in err["message"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert _post(server.url + "/v1/completions", OK).status_code == 200
     st = wait_idle(server.llm)

@@ -57,6 +57,8 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_int("seed", self.seed, 0)
+        if self.seed >= 1 << 64:        # torch.Generator.manual_seed's limit
+            raise ValueError(f"seed must be < 2**64, got {short_repr(self.seed)}")
         check_device(self.device)
         check_attention_backend(self.attention_backend)
         u = self.gpu_memory_utilization
