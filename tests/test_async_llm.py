@@ -163,3 +163,62 @@ def test_server_answers_503_when_the_engine_dies(tiny_llama, stream):
             assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
     finally:
         a.shutdown()
+
+
+# ---- one request's failure is that request's alone (issue 12) ----------------------------------
+def _boom_on_marker(monkeypatch):
+    """Requests with the stop string "<boom>" fail in their detokenizer; the others do not."""
+    from kvflow.engine.detokenizer import IncrementalDetokenizer
+    real = IncrementalDetokenizer.update
+
+    def update(self, ids):
+        if "<boom>" in self.stop:
+            raise RuntimeError("detokenizer boom")
+        return real(self, ids)
+    monkeypatch.setattr(IncrementalDetokenizer, "update", update)
+
+
+def test_a_request_failing_in_the_engine_ends_its_stream_with_error_and_others_go_on(
+        llm, monkeypatch):
+    _boom_on_marker(monkeypatch)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def last(prompt, sp):
+        return [o async for o in llm.generate(prompt, sp)][-1]
+
+    async def main():
+        alone = await last("The cat sees", sp)
+        bad, good = await asyncio.gather(
+            last("Hello", SamplingParams(max_tokens=12, stop=["<boom>"])),
+            last("The cat sees", sp))
+        return alone, bad, good, await llm.call_in_engine(_blocks)
+    alone, bad, good, (n, free, total) = asyncio.run(asyncio.wait_for(main(), 120))
+    assert bad.finished and bad.outputs[0].finish_reason == "error"
+    assert str(bad.outputs[0].error) == "detokenizer boom"
+    assert good.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.is_running and llm.step_error is None and n == 0 and free == total
+
+
+def test_a_failing_step_calls_the_engine_dead_callbacks_once(tiny_llama):
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    seen = []
+    a.on_engine_dead(seen.append)
+
+    def boom():
+        raise RuntimeError("boom")
+
+    async def main():
+        await a.call_in_engine(lambda e: setattr(e, "step", boom))
+        with pytest.raises(EngineDeadError):
+            async for _ in a.generate("The cat", SamplingParams(max_tokens=5)):
+                pass
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+        a._thread.join(30)
+        assert [str(e) for e in seen] == ["boom"] and str(a.step_error) == "boom"
+    finally:
+        a.shutdown()
+    b = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    b.on_engine_dead(seen.append)
+    b.shutdown()                    # a shutdown is not a failure
+    assert len(seen) == 1 and b.step_error is None

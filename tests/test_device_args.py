@@ -128,3 +128,27 @@ def test_a_tensor_on_cuda_is_on_cuda0_when_device_0_is_current(monkeypatch):
     assert same_device(cuda0, cuda) and same_device(cuda, cuda0) and same_device(cuda, cuda)
     assert not same_device(cuda1, cuda) and not same_device(torch.device("cpu"), cuda)
     assert same_device(torch.device("cpu"), torch.device("cpu"))
+
+
+def test_cuda_sampler_never_draws_a_token_banned_below_min_tokens():
+    """On CPU tensors: the CUDA sampler masks banned tokens like the CPU sampler, on the
+    all-greedy argmax path and the sampling path, and draws the same tokens."""
+    from kvflow import SamplingParams
+    from kvflow.model.cuda_sampler import CudaSampler
+    from kvflow.model.sampler import Sampler
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] += 100                           # token 7 wins every row unless banned
+    banned = [[7, 9], None, [7], [7], None, [7, 250]]
+    greedy = [SamplingParams(temperature=0)] * 6
+    got = CudaSampler(0, "cpu")(logits, greedy, [None] * 6, banned)
+    assert [t == 7 for t in got] == [b is None for b in banned]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=1.0, seed=2), SamplingParams(temperature=2.0, seed=3,
+                                                                      top_k=4),
+              SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=1.0, seed=5)]
+
+    def gens():
+        return [None] + [torch.Generator().manual_seed(s) for s in range(1, 6)]
+    got = CudaSampler(0, "cpu")(logits, params, gens(), banned)
+    assert got == Sampler(0)(logits, params, gens(), banned)
+    assert [t == 7 for t in got] == [b is None for b in banned]

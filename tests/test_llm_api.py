@@ -289,6 +289,7 @@ def test_unknown_engine_arg_is_a_type_error(tiny_llama):
     (dict(max_model_len=0), "max_model_len"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(seed="x"), "seed"),
+    (dict(seed=1 << 64), "seed"),
 ])
 def test_bad_engine_args_raise_value_error(tiny_llama, kw, name):
     with pytest.raises(ValueError, match=name):
@@ -344,3 +345,107 @@ def test_generate_hands_every_prompt_to_the_scheduler_before_the_first_step(llm)
     finally:
         engine.step = inner
     assert first == [30]
+
+
+# ---- min_tokens: EOS and stop tokens are never sampled below it (issue 12) ---------------------
+def _favour(monkeypatch, llm, *tokens):
+    """Make `tokens` the model's top choices, in that order, far ahead of the rest."""
+    model = llm.llm_engine.runner.model
+    real = model.compute_logits
+
+    def biased(hidden):
+        logits = real(hidden).clone()
+        for k, t in enumerate(tokens):
+            logits[:, t] += 1000.0 - 100.0 * k
+        return logits
+    monkeypatch.setattr(model, "compute_logits", biased)
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0), dict(temperature=1.0, seed=5),
+                                dict(temperature=1.0)], ids=["greedy", "seeded", "random"])
+def test_below_min_tokens_eos_is_never_emitted_and_it_stops_on_eos_after(llm, monkeypatch, sp):
+    _favour(monkeypatch, llm, IM_END_ID)
+    c = gen(llm, "The cat", SamplingParams(**sp, max_tokens=12, min_tokens=5))[0].outputs[0]
+    assert IM_END_ID not in c.token_ids[:5]
+    assert c.token_ids[5] == IM_END_ID and len(c.token_ids) == 6
+    assert (c.finish_reason, c.stop_reason) == ("stop", None)
+
+
+def test_below_min_tokens_stop_token_ids_are_never_emitted_and_stop_after(llm, monkeypatch):
+    _favour(monkeypatch, llm, 77, IM_END_ID, 78)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3, stop_token_ids=[77])
+    c = gen(llm, ["The cat", [5, 6, 7]], sp)[1].outputs[0]
+    assert c.token_ids == [78, 78, 78, 77]          # 77 and EOS banned for three tokens
+    assert (c.finish_reason, c.stop_reason) == ("stop", 77)
+
+
+def test_with_ignore_eos_min_tokens_does_not_ban_eos(llm, monkeypatch):
+    # As in vLLM: with ignore_eos, EOS is an ordinary token, so min_tokens leaves it alone.
+    _favour(monkeypatch, llm, IM_END_ID)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3, ignore_eos=True)
+    assert gen(llm, "The cat", sp)[0].outputs[0].token_ids == [IM_END_ID] * 4
+
+
+# ---- one request's failure is that request's alone (issue 12) ----------------------------------
+def test_stop_token_ids_outside_the_vocab_are_a_value_error_naming_them(llm):
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        gen(llm, "The cat", SamplingParams(stop_token_ids=[5, 512]))
+
+
+def test_a_seed_torch_rejects_fails_add_request_not_the_step(llm):
+    sp = SamplingParams(temperature=1.0, seed=1)
+    sp.seed = 1 << 64           # past validation (a mutated object), as a bug upstream might
+    with pytest.raises(ValueError, match="^seed"):
+        llm.llm_engine.add_request("x", "The cat", sp)
+    assert len(gen(llm, "The cat")[0].outputs[0].token_ids) == 8
+
+
+def _good_runs(llm):
+    return [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)]
+
+
+def test_a_request_whose_sampling_fails_ends_with_error_and_the_others_finish(llm):
+    good = _good_runs(llm)
+    want = [o.outputs[0].token_ids for o in gen(llm, ["The cat", "A dog"], good)]
+    bad = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    eng = llm.llm_engine
+    eng.add_request("bad", "Hello", bad)
+    bad.top_k = "3"             # breaks the batched draw, before any seeded row draws
+    outs = gen(llm, ["The cat", "A dog"], good)     # steps "bad" along with them
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+
+
+def test_a_request_whose_generator_breaks_ends_with_error_and_the_others_finish(llm):
+    eng = llm.llm_engine
+    eng.add_request("bad", "Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=8))
+    eng.add_request("ok", "The cat", SamplingParams(temperature=1.0, seed=4, max_tokens=8,
+                                                    ignore_eos=True))
+    eng.runner.generators["bad"] = "not a generator"
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    c = finals["bad"].outputs[0]
+    assert c.finish_reason == "error" and isinstance(c.error, Exception)
+    assert finals["ok"].outputs[0].finish_reason == "length"
+
+
+def test_a_request_whose_detokenizer_fails_ends_with_error_and_the_others_finish(llm):
+    class Boom:
+        text, stop_reason = "", None
+
+        def update(self, ids):
+            raise RuntimeError("detokenizer boom")
+
+    eng = llm.llm_engine
+    want = gen(llm, ["The cat"])[0].outputs[0].token_ids
+    eng.add_request("bad", "Hello", GREEDY)
+    eng.add_request("ok", "The cat", GREEDY)
+    eng.states["bad"].detok = Boom()
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    c = finals["bad"].outputs[0]
+    assert (c.finish_reason, str(c.error)) == ("error", "detokenizer boom")
+    assert finals["ok"].outputs[0].token_ids == want

@@ -16,10 +16,10 @@ def rand_logits(n: int, v: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def sample(logits, params, generators=None, seed=0):
+def sample(logits, params, generators=None, seed=0, **kw):
     if generators is None:
         generators = [None] * len(params)
-    return Sampler(seed=seed)(logits, params, generators)
+    return Sampler(seed=seed)(logits, params, generators, **kw)
 
 
 def rows(n: int) -> torch.Tensor:
@@ -208,3 +208,32 @@ def test_tiny_temperature_is_argmax_and_minus_inf_tokens_are_never_drawn():
     for sp in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3),
                SamplingParams(temperature=1.0, top_p=0.9)):
         assert ORDER[0] not in set(sample(masked, [sp] * 1500)), sp
+
+
+def test_a_temperature_below_1e_5_is_greedy_even_between_near_ties():
+    # 1e-6 apart: at temperature 5e-6 a real draw would pick the runner-up ~45% of the time.
+    logits = torch.tensor([[1.0, 1.0 + 1e-6, -3.0]]).repeat(200, 1)
+    params = [SamplingParams(temperature=5e-6, seed=i) for i in range(200)]
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    assert sample(logits, params, gens) == [1] * 200
+    mixed = params[:100] + [SamplingParams(temperature=1.0)] * 100    # not the all-greedy path
+    assert sample(logits, mixed, gens[:100] + [None] * 100)[:100] == [1] * 100
+
+
+# ---- min_tokens: EOS and stop tokens banned below it (vLLM's MinTokensLogitsProcessor) -----------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banned_tokens_are_never_drawn_on_any_path(dtype):
+    logits = rows(300).to(dtype)
+    logits[:, ORDER[1]] += 50                  # ORDER[1] is now far ahead: every path picks it
+    ban = [ORDER[1], ORDER[2]]
+    greedy = SamplingParams(temperature=0)
+    all_greedy = sample(logits, [greedy] * 300, None, banned=[ban] * 150 + [None] * 150)
+    assert all_greedy == [ORDER[0]] * 150 + [ORDER[1]] * 150       # the argmax kernel's path
+    params = [greedy, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=2.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.9)]
+    params = params * 60
+    gens = [torch.Generator().manual_seed(3) if p.seed is not None else None for p in params]
+    got = sample(logits, params, gens, banned=[ban] * 300)
+    assert not set(got) & set(ban)
+    assert got[0] == ORDER[0]
+    assert sample(logits, params, gens, banned=[None] * 300) == [ORDER[1]] * 300

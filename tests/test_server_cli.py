@@ -163,3 +163,37 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny
     assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Traceback" not in out, out
+
+
+# The engine's step fails on the first request; everything else is `kvflow serve` as shipped.
+_FAILING_STEP = """
+import sys
+from kvflow.engine.llm_engine import LLMEngine
+def step(self):
+    raise RuntimeError("step boom")
+LLMEngine.step = step
+from kvflow.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kvflow_serve_exits_non_zero_when_the_engine_step_fails(tiny_llama):
+    port = _free_port()
+    cmd = [sys.executable, "-c", _FAILING_STEP, "serve", "--model", tiny_llama, "--port",
+           str(port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "128",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, url)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        out, _ = proc.communicate(timeout=60)       # it exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out
+    assert "step boom" in out and "exiting" in out

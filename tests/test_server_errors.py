@@ -32,6 +32,17 @@ CASES = [
      "temperature"),
     ("temperature NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400,
      "temperature", "temperature"),
+    ("temperature Infinity", "/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400,
+     "temperature", "temperature"),
+    ("seed 2**64", "/v1/completions", {**OK, "seed": 1 << 64}, 400, "seed", "seed"),
+    ("seed -2**63-1", "/v1/completions", {**OK, "seed": -(1 << 63) - 1}, 400, "seed", "seed"),
+    ("seed of 4000 digits", "/v1/completions", {**OK, "seed": 10 ** 4000}, 400, "seed", "seed"),
+    ("max_tokens of 4000 digits", "/v1/completions", {**OK, "max_tokens": 10 ** 4000}, 400,
+     "max_tokens", "max_tokens"),
+    ("stop_token_ids out of vocab", "/v1/completions", {**OK, "stop_token_ids": [3, 99999]}, 400,
+     "stop_token_ids", "99999"),
+    ("stop_token_ids negative", "/v1/chat/completions", {**CHAT, "stop_token_ids": [-1]}, 400,
+     "stop_token_ids", "stop_token_ids"),
     ("top_p 0", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p", "top_p"),
     ("top_p > 1", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "top_p"),
     ("top_p > 1 chat", "/v1/chat/completions", {**CHAT, "top_p": 2}, 400, "top_p", "top_p"),
@@ -147,5 +158,49 @@ def test_server_keeps_serving_after_bad_input(server):
     assert httpx.get(server.url + "/health").status_code == 200
     r = httpx.post(server.url + "/v1/completions", json=OK, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    st = wait_idle(server.llm)
+    assert st["unfinished"] == 0 and st["free_blocks"] == st["num_blocks"]
+
+
+# ---- issue 12: no client request may kill the engine -------------------------------------------
+def test_a_seed_beyond_64_bits_is_a_400_naming_seed_and_both_ends_of_the_range_work(server):
+    for seed in (1 << 64, -(1 << 63) - 1):
+        _check_error(_post(server.url + "/v1/completions", {**OK, "seed": seed}), 400, "seed",
+                     "seed")
+    for seed in ((1 << 64) - 1, -(1 << 63), -1):
+        r = _post(server.url + "/v1/completions", {**OK, "seed": seed, "temperature": 1.0})
+        assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# A ValueError is the request's own input at fault: a 400 naming the field; anything else a 500.
+@pytest.mark.parametrize("stream, exc, status, kind, param", [
+    (False, RuntimeError, 500, "server_error", None), (True, RuntimeError, 500, "server_error",
+                                                       None),
+    (False, ValueError, 400, "invalid_request_error", "stop"),
+    (True, ValueError, 400, "invalid_request_error", "stop")])
+def test_a_request_failing_in_the_engine_gets_an_error_body_and_the_server_keeps_serving(
+        server, monkeypatch, stream, exc, status, kind, param):
+    from kvflow.engine.detokenizer import IncrementalDetokenizer
+    real = IncrementalDetokenizer.update
+
+    def update(self, ids):      # requests with the stop string "<boom>" fail, alone
+        if "<boom>" in self.stop:
+            raise exc("stop strings: detokenizer boom")
+        return real(self, ids)
+    monkeypatch.setattr(IncrementalDetokenizer, "update", update)
+    r = _post(server.url + "/v1/completions", {**OK, "stop": ["<boom>"], "stream": stream})
+    if stream:
+        assert r.status_code == 200
+        events = [e for e in r.text.split("\n\n") if e]
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert events[-1] == "data: [DONE]"
+    else:
+        assert r.status_code == status
+        err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == (kind, param, status)
+    assert "detokenizer boom" in err["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert _post(server.url + "/v1/completions", OK).status_code == 200
     st = wait_idle(server.llm)
     assert st["unfinished"] == 0 and st["free_blocks"] == st["num_blocks"]

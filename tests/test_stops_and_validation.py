@@ -311,3 +311,55 @@ def test_request_public_attributes():
         3, 3, 0, 0)
     assert (r.num_preemptions, r.priority, r.arrival_time, r.stop_reason) == (0, 3, 1.5, None)
     assert not r.is_finished()
+
+
+# ---- sampling fields at the boundary (issue 12) ------------------------------------------------
+HUGE = 10 ** 5000       # what Python's json may deliver; it has no str() (4300-digit limit)
+
+
+@pytest.mark.parametrize("seed", [1 << 64, -(1 << 63) - 1, HUGE, -HUGE],
+                         ids=["2**64", "-2**63-1", "huge", "-huge"])
+def test_a_seed_beyond_64_bits_is_a_value_error_naming_seed(seed):
+    with pytest.raises(ValueError, match="^seed") as ei:
+        SamplingParams(seed=seed)
+    assert len(str(ei.value)) < 300
+
+
+@pytest.mark.parametrize("seed", [(1 << 64) - 1, -(1 << 63), -1, 0])
+def test_seeds_at_both_ends_of_the_64_bit_range_are_accepted_and_seed_a_generator(seed):
+    import torch
+    sp = SamplingParams(seed=seed)
+    torch.Generator().manual_seed(sp.seed)      # what the runner does with it
+
+
+@pytest.mark.parametrize("t", [float("inf"), float("nan"), -float("inf"), HUGE],
+                         ids=["inf", "nan", "-inf", "huge"])
+def test_a_temperature_that_is_not_finite_is_a_value_error_naming_temperature(t):
+    with pytest.raises(ValueError, match="^temperature"):
+        SamplingParams(temperature=t)
+
+
+def test_a_temperature_below_1e_5_is_greedy_as_in_vllm():
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+_BAD_INTS = [
+    ("temperature", HUGE), ("top_p", HUGE), ("top_p", -HUGE), ("top_k", -HUGE), ("seed", HUGE),
+    ("max_tokens", -HUGE), ("min_tokens", -HUGE), ("stop_token_ids", [5, -HUGE]),
+    ("stop_token_ids", [True]), ("stop_token_ids", [None]),
+]
+
+
+@pytest.mark.parametrize("field, value", _BAD_INTS, ids=[f"{f}-{i}" for i, (f, _) in
+                                                          enumerate(_BAD_INTS)])
+def test_a_huge_or_wrong_int_is_a_short_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}") as ei:
+        SamplingParams(**{field: value})
+    assert len(str(ei.value)) < 300
+
+
+def test_min_tokens_above_a_huge_max_tokens_names_min_tokens_in_a_short_message():
+    with pytest.raises(ValueError, match="^min_tokens") as ei:
+        SamplingParams(max_tokens=HUGE, min_tokens=HUGE + 1)
+    assert len(str(ei.value)) < 300

@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
+    FINISHED_ERROR = 7      # this request alone failed in the engine (vLLM's FinishReason.ERROR)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -31,6 +32,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

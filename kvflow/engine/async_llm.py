@@ -54,7 +54,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    finish_reason: str              # "stop" | "length" | "abort"
+    finish_reason: str              # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float              # finish - arrival, seconds
@@ -107,6 +107,8 @@ class AsyncLLM:
         self._unscheduled: set[str] = set()         # engine thread only
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self.step_error: BaseException | None = None     # what killed the engine thread
+        self._on_dead: list[Callable[[BaseException], object]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
@@ -202,6 +204,11 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead!r})")
 
+    def on_engine_dead(self, fn: Callable[[BaseException], object]) -> None:
+        """fn(error) is called once, from the engine thread, if a step fails and the engine
+        stops (not on shutdown()): `kvflow serve` then exits so that a supervisor restarts it."""
+        self._on_dead.append(fn)
+
     def add_stat_logger(self, logger) -> None:
         """logger.record(IterationStats) is called from the engine thread after every
         iteration that did something."""
@@ -234,7 +241,13 @@ class AsyncLLM:
             self._fail(EngineDeadError("the engine was shut down"))
         except BaseException as e:     # a bug in a step: fail every request, mark dead
             traceback.print_exc()
+            self.step_error = e
             self._fail(EngineDeadError(f"engine step failed: {e!r}"))
+            for fn in self._on_dead:
+                try:
+                    fn(e)
+                except Exception:
+                    traceback.print_exc()
 
     def _apply(self, cmds: list[tuple], out: list, stats: IterationStats) -> None:
         engine = self.engine

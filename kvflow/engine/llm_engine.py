@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -17,7 +18,9 @@ from kvflow.model.backends import (check_attention_backend, check_device, make_b
                                    resolve_attention_backend, resolve_device)
 from kvflow.model.loader import build_model, open_checkpoint
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, short_repr
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_CACHE_MEMORY = 2 << 30     # bytes; vLLM's CPU backend is usually run with 2-4 GiB
 
@@ -54,6 +57,8 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         _check_int("seed", self.seed, 0)
+        if self.seed >= 1 << 64:        # torch.Generator.manual_seed's limit
+            raise ValueError(f"seed must be < 2**64, got {short_repr(self.seed)}")
         check_device(self.device)
         check_attention_backend(self.attention_backend)
         u = self.gpu_memory_utilization
@@ -155,9 +160,19 @@ class LLMEngine:
             sp = dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + self.extra_eos)
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in sp.stop_token_ids if t >= vocab), None)
+        if bad is not None:     # the sampler masks them below min_tokens: they must index logits
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
+                             f"got {short_repr(bad)}")
         req = Request(request_id, ids, sp, eos_token_id=self.eos_token_id,
                       arrival_time=arrival_time, priority=priority)
-        self.scheduler.add_request(req)
+        self.runner.add_request(req)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            self.runner.release((request_id,))
+            raise
         self.states[request_id] = _State(text, ids, IncrementalDetokenizer(
             self.tokenizer, ids, sp.stop, sp.min_tokens), req)
 
@@ -205,13 +220,18 @@ class LLMEngine:
         sampled = self.runner.execute_model(so, sched.requests)
         for rid in so.scheduled_new_req_ids:
             self.num_prompt_tokens += len(sched.requests[rid].prompt_token_ids)
+        results = [self._fail_request(rid, e) for rid, e in self.runner.take_failed().items()]
         core_outputs = sched.update_from_output(so, sampled)
-        results = []
         for co in core_outputs:
             st = self.states[co.request_id]
             self.num_generation_tokens += len(co.new_token_ids)
             finished, reason, stop_reason = co.finished, co.finish_reason, co.stop_reason
-            if st.detok.update(co.new_token_ids):
+            try:
+                stopped = st.detok.update(co.new_token_ids)
+            except Exception as e:      # its detokenizer or stop strings: fail this one alone
+                results.append(self._fail_request(co.request_id, e))
+                continue
+            if stopped:
                 if not finished:
                     sched.finish_requests(co.request_id, RequestStatus.FINISHED_STOPPED)
                 finished, reason, stop_reason = True, "stop", st.detok.stop_reason
@@ -220,6 +240,16 @@ class LLMEngine:
                 del self.states[co.request_id]
                 self.runner.release((co.request_id,))
         return results
+
+    def _fail_request(self, rid: str, err: Exception) -> RequestOutput:
+        """Finish one request with finish_reason "error" (blocks and generator freed); the
+        others go on. Its output carries the exception (a ValueError: the request's input)."""
+        logger.error("request %s failed: %r", rid, err, exc_info=err)
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+        self.runner.release((rid,))
+        out = self._make_output(rid, self.states.pop(rid), True, "error", None)
+        out.outputs[0].error = err
+        return out
 
     def _make_output(self, rid: str, st: _State, finished: bool, reason, stop_reason):
         req = st.request

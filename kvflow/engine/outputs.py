@@ -9,8 +9,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None        # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None    # the stop string or stop token id that matched
+    # With finish_reason "error": what failed this request alone (a ValueError: its input).
+    error: BaseException | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

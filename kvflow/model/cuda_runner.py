@@ -62,10 +62,7 @@ class CudaModelRunner(ModelRunner):
                                 self.backend, meta, self._up(rows, torch.long))
         if not st.sample_reqs:
             return {}
-        logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [r.sampling_params for r in st.sample_reqs],
-                              [self._generator(r) for r in st.sample_reqs])
-        return {r.request_id: [t] for r, t in zip(st.sample_reqs, tokens)}
+        return self.sample(self.model.compute_logits(hidden), st.sample_reqs)
 
 
 @torch.inference_mode()

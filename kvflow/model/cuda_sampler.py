@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.model.h2d import host, upload
-from kvflow.model.sampler import _apply_top_k_top_p
+from kvflow.model.sampler import _apply_top_k_top_p, ban_tokens
 from kvflow.sampling_params import SamplingParams
 
 
@@ -23,12 +23,15 @@ class CudaSampler:
         return upload(data, dtype, self.device)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        greedy = [p.temperature == 0 for p in params]
+                 generators: list[torch.Generator | None],
+                 banned: list[list[int] | None] | None = None) -> list[int]:
+        if banned is not None and any(banned):     # min_tokens: see Sampler
+            logits = ban_tokens(logits, banned, lambda ids: self._up(ids, torch.long))
+        greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
         x = logits.float()
-        temps = self._up([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = self._up([1.0 if p.greedy else p.temperature for p in params],
                          torch.float32)
         x = x / temps[:, None]
         top_k = [p.top_k for p in params]

@@ -13,6 +13,7 @@ from kvflow.core.request import Request
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
 from kvflow.model.sampler import Sampler
+from kvflow.sampling_params import short_repr
 
 
 def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
@@ -37,6 +38,17 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def _banned(req: Request) -> list[int] | None:
+    """Below min_tokens, EOS and the stop token ids may not be sampled at all (vLLM's
+    MinTokensLogitsProcessor); the scheduler only declines to stop on them."""
+    if req.num_output_tokens >= req.min_tokens:
+        return None
+    ids = set(req.stop_token_set or ())
+    if req.stop_eos is not None:
+        ids.add(req.stop_eos)
+    return sorted(ids) or None
 
 
 @dataclass(slots=True)
@@ -65,19 +77,64 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.failed: dict[str, Exception] = {}      # requests whose draw raised, by id
+
+    def add_request(self, req: Request) -> None:
+        """Seed the request's generator now: a seed torch rejects fails add_request (a
+        ValueError naming seed), never a step."""
+        sp = req.sampling_params
+        if sp.seed is None or sp.greedy:
+            return
+        try:
+            self.generators[req.request_id] = torch.Generator().manual_seed(sp.seed)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"seed {short_repr(sp.seed)} cannot seed a torch.Generator "
+                             f"({e})") from None
 
     def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.temperature == 0:
+        sp = req.sampling_params
+        if sp.seed is None or sp.greedy:
             return None
         g = self.generators.get(req.request_id)
-        if g is None:
-            g = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+        if g is None:       # a request that did not come through add_request (tests)
+            self.add_request(req)
+            g = self.generators[req.request_id]
         return g
 
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
+
+    def take_failed(self) -> dict[str, Exception]:
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
+        """One token per request. If the batched draw raises, each row is drawn alone, so that
+        only the requests at fault fail (they go to self.failed, for the engine to finish).
+        Bad parameters raise before any seeded row draws; only a broken generator could leave
+        the seeded rows before it one draw further (not snapshotted: ~2 us a row every step)."""
+        try:
+            tokens = self._draw(logits, reqs)
+        except Exception:
+            return self._sample_rows(logits, reqs)
+        return {r.request_id: [t] for r, t in zip(reqs, tokens)}
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        return self.sampler(logits, [r.sampling_params for r in reqs],
+                            [self._generator(r) for r in reqs], [_banned(r) for r in reqs])
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
+        out, errors = {}, {}
+        for i, r in enumerate(reqs):
+            try:
+                out[r.request_id] = self._draw(logits[i:i + 1], [r])
+            except Exception as e:
+                errors[r.request_id] = e
+        if len(errors) == len(reqs) > 1:    # every row fails: the sampler, not a request
+            raise next(iter(errors.values()))
+        self.failed.update(errors)
+        return out
 
     def gather_inputs(self, so: SchedulerOutput, requests: dict[str, Request]) -> StepInputs:
         """The step's flat inputs as Python lists, decodes (one query token) first: the attention
@@ -135,10 +192,7 @@ class ModelRunner:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        logits = self.model.compute_logits(hidden)
-        params = [r.sampling_params for r in sample_reqs]
-        tokens = self.sampler(logits, params, [self._generator(r) for r in sample_reqs])
-        return {r.request_id: [t] for r, t in zip(sample_reqs, tokens)}
+        return self.sample(self.model.compute_logits(hidden), sample_reqs)
 
     @torch.inference_mode()
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:

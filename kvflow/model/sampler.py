@@ -20,9 +20,13 @@ class Sampler:
         self._argmax = torch.ops.kvflow.argmax_rows if cpu_ops.available() else None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits [N, V] (any float dtype) -> one token id per row."""
-        greedy = [p.temperature == 0 for p in params]
+                 generators: list[torch.Generator | None],
+                 banned: list[list[int] | None] | None = None) -> list[int]:
+        """logits [N, V] (any float dtype) -> one token id per row. banned[i]: token ids row i
+        may not produce (EOS and stop tokens below min_tokens)."""
+        if banned is not None and any(banned):
+            logits = ban_tokens(logits, banned)
+        greedy = [p.greedy for p in params]
         if all(greedy):
             if (self._argmax is not None and logits.device.type == "cpu" and logits.dim() == 2
                     and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(1) == 1):
@@ -31,7 +35,7 @@ class Sampler:
             return logits.max(dim=-1).indices.tolist()
         logits = logits.float()
         n = logits.shape[0]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              dtype=logits.dtype)
         x = logits / temps[:, None]
         top_k = [p.top_k for p in params]
@@ -52,6 +56,22 @@ class Sampler:
             sampled = torch.where(torch.tensor(greedy), logits.max(dim=-1).indices, sampled)
         assert sampled.shape[0] == n
         return sampled.tolist()
+
+
+def _cpu_index(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[list[int] | None],
+               index=_cpu_index) -> torch.Tensor:
+    """A copy of logits with banned[i] set to -inf in row i, as vLLM's MinTokensLogitsProcessor
+    does: the greedy argmax and the draw then can never pick them. `index` builds the index
+    tensors (the CUDA sampler uploads them from pinned memory)."""
+    rows = [i for i, b in enumerate(banned) if b for _ in b]
+    cols = [t for b in banned if b for t in b]
+    out = logits.clone()
+    out[index(rows), index(cols)] = float("-inf")
+    return out
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -74,12 +74,19 @@ def cmd_serve(args) -> int:
     print(f"kvflow serve: {names[0]} on http://{args.host}:{args.port} (max_model_len "
           f"{c.max_model_len}, {c.num_blocks} KV blocks of {c.block_size}, max_num_seqs "
           f"{c.max_num_seqs}, load {llm.engine.load_time:.1f} s)", file=sys.stderr)
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         shutdown_timeout=args.shutdown_timeout)
+    # A failed step leaves nothing to serve: stop (in-flight requests get their error) and exit
+    # non-zero so that a supervisor restarts the server, rather than answer 503 forever.
+    llm.on_engine_dead(lambda err: setattr(server, "should_exit", True))
     try:
-        make_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                    header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                    shutdown_timeout=args.shutdown_timeout).run()
+        server.run()
     except KeyboardInterrupt:       # uvicorn re-raises the Ctrl-C it shut down for (as uvicorn.run)
         pass
     finally:
         llm.shutdown()
-    return 0
+    if llm.step_error is not None:
+        print(f"kvflow serve: the engine failed ({llm.step_error!r}); exiting", file=sys.stderr)
+        return 1
+    return 0 if server.started else 3       # 3: uvicorn.run's exit code for a failed startup

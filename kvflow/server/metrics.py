@@ -9,8 +9,9 @@ engine thread once per iteration (prometheus_client metrics are thread-safe). Wh
 - counters (exposed with the `_total` suffix, as vLLM's): vllm:num_preemptions,
   vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens), vllm:prompt_tokens (counted when
   a request is first scheduled), vllm:generation_tokens (every sampled token, including those of
-  requests aborted later), vllm:request_success{finished_reason} with "stop", "length" and
-  "abort" (a client disconnect or an explicit abort is counted as "abort");
+  requests aborted later), vllm:request_success{finished_reason} with "stop", "length",
+  "abort" (a client disconnect or an explicit abort) and "error" (a request the engine failed
+  alone);
 - histograms from AsyncLLM's timestamps (see kvflow/engine/async_llm.py): TTFT (arrival ->
   the step that produced the first token returns), inter-token latency (per step that produced
   tokens for a request, the time since its previous such step), e2e latency, queue time
@@ -32,7 +33,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # No `*_created` series next to every counter and histogram (vLLM turns them off too).
 prometheus_client.disable_created_metrics()

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 # int64, like torch tensors and generators: a larger value is a 400, not an overflow in the engine.
 Int = Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)]
+# A seed may also be unsigned 64-bit: torch.Generator.manual_seed takes [-2**63, 2**64).
+Seed = Annotated[StrictInt, Field(ge=-2**63, le=2**64 - 1)]
 # Strict, but ints are accepted (and become floats); Infinity/NaN/1e999 are 400s.
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 TokenIds = list[Int]
@@ -53,7 +55,7 @@ class _SamplingFields(BaseModel):
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: Int | None = None
-    seed: Int | None = None
+    seed: Seed | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Int] | None = None
     n: Int = 1

@@ -18,7 +18,7 @@ import jinja2
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.engine.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, short_repr
 from kvflow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, usage
 
 class SSEStream:
@@ -79,8 +79,9 @@ class OpenAIServing:
         if max_tokens is not None and isinstance(max_tokens, int) and max_tokens >= 1 and \
                 longest + max_tokens > self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, you requested {longest + max_tokens} tokens "
-                                f"({longest} in the {what}, {max_tokens} in the completion). "
+                                f"tokens. However, you requested "
+                                f"{short_repr(longest + max_tokens)} tokens ({longest} in the "
+                                f"{what}, {short_repr(max_tokens)} in the completion). "
                                 f"Please reduce the length of the {what} or completion.",
                            "max_tokens")
         if max_tokens is None:
@@ -118,7 +119,7 @@ class OpenAIServing:
         try:
             return await self.llm.add_requests(items)      # one batch, admitted together
         except ValueError as e:
-            raise ApiError(400, str(e), None) from None
+            raise ApiError(400, str(e), _param_of(str(e))) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e), None, type="server_error") from None
 
@@ -234,6 +235,7 @@ class OpenAIServing:
                     yield _sse({**meta, "object": obj, "choices": [
                         {"index": 0, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}], **extra})
+                _raise_if_failed(out)
                 c = out.outputs[0]
                 end = len(c.text) if out.finished else max(len(c.text) - holdback, sent[i])
                 delta = c.text[sent[i]:end]
@@ -248,10 +250,25 @@ class OpenAIServing:
                 yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
         except EngineDeadError as e:
             yield _sse(ApiError(500, str(e), None, type="server_error").body())
+        except ApiError as e:       # this request failed in the engine; the others go on
+            yield _sse(e.body())
         finally:
             for s in streams:
                 s.close()
         yield "data: [DONE]\n\n"
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    """A request the engine failed alone (finish_reason "error"; the engine goes on): a 400
+    naming the field when its input was at fault (a ValueError), else a 500 saying so."""
+    c = out.outputs[0]
+    if c.finish_reason != "error":
+        return
+    err = c.error
+    if isinstance(err, ValueError):
+        raise ApiError(400, str(err), _param_of(str(err)))
+    raise ApiError(500, f"the request failed in the engine ({type(err).__name__}: {err}); "
+                        f"other requests are unaffected", None, type="server_error")
 
 
 def _sse(obj: dict) -> str:
@@ -268,6 +285,7 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     last: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in _merge(streams):
+            _raise_if_failed(out)
             last[i] = out
     finally:
         for s in streams:
