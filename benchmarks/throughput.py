@@ -44,7 +44,7 @@ Workloads (--dataset):
               (nano-vllm samples at temperature 0.6; this is greedy). Mixed lengths.
   azure-conv, azure-code, sharegpt
               --num-prompts rows sampled (random.Random(seed).sample) from
-              ../shared/data/{splitwise_conv,splitwise_code,sharegpt_8k}.csv; prompt and output
+              kvflow/sim/data/{splitwise_conv,splitwise_code,sharegpt_8k}.csv; prompt and output
               lengths from the row times --trace-scale (rounded, at least 1; "auto": the largest
               scale <= 1 at which every sampled request fits max_model_len), prompts are random
               ids of that length. The scale used is printed. On the 2-core machine a full-size
@@ -116,7 +116,8 @@ def make_workload(a, vocab: int, max_model_len: int) -> tuple[list[list[int]], l
         desc = (f"random ids in [0, {vocab}), input {_rng_str(imin, imax)}, output "
                 f"{_rng_str(omin, omax)} tokens, seed {a.seed}")
         return prompts, outs, desc
-    path = os.path.join(a.data_dir, TRACES[a.dataset])
+    from kvflow.sim.workload import data_dir
+    path = os.path.join(a.data_dir or data_dir(), TRACES[a.dataset])
     with open(path, newline="") as f:
         rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
                 for r in csv.DictReader(f)]
@@ -404,7 +405,7 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--trace-scale", default="auto",
                     help="traces: multiply lengths by this; 'auto' = fit max_model_len")
-    ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(ROOT), "shared", "data"))
+    ap.add_argument("--data-dir", default=None, help="default: the traces kvflow ships")
     ap.add_argument("--model", help="HF checkpoint dir (default: the bench Llama of "
                                     "make_bench_model.py, built if missing)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -14,10 +14,6 @@ from kvflow.cli import main
 from kvflow.sim.workload import data_dir
 from server_helpers import metric, metrics, running_server
 
-# The traces live beside the checkout (../shared/data), not in it; the simulator's tests skip
-# the same way when a checkout has no such neighbour.
-needs_traces = pytest.mark.skipif(not (data_dir() / "splitwise_conv.csv").is_file(),
-                                  reason="../shared/data not present")
 
 
 def _completion_events(start, times, texts, usage=None):
@@ -105,7 +101,6 @@ def test_arrivals_and_lengths():
     assert random_lengths(3, 100, 0.0, rng).tolist() == [100, 100, 100]
 
 
-@needs_traces
 def test_azure_trace_scaled_to_max_model_len():
     with open(data_dir() / "splitwise_conv.csv") as f:
         rows = list(csv.DictReader(f))[:50]
@@ -139,7 +134,6 @@ def test_prompts_have_the_requested_length(tiny_tokenizer_dir):
         sample_requests(tok, "random", 2, request_rate="trace")
 
 
-@needs_traces
 def test_trace_prompts_follow_the_trace(tiny_tokenizer_dir):
     from tokenizers import Tokenizer as HF
 
@@ -212,7 +206,6 @@ def test_bench_serve_reports_a_wrong_key(server, tiny_llama, capsys):
     assert "initial test request failed: HTTP 401" in capsys.readouterr().err
 
 
-@needs_traces
 def test_bench_serve_azure_trace_lengths(server, tiny_llama, tmp_path):
     out = tmp_path / "azure.json"
     rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", tiny_llama,

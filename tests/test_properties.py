@@ -2,7 +2,8 @@
 
 Random add / schedule / random outputs / abort / reset_prefix_cache sequences over small pools
 (so that preemption and prefix-cache sharing happen all the time). After every operation the
-bookkeeping invariants of ../../shared/DESIGN.md are checked; a fake executor follows
+bookkeeping invariants (each block held or free, never both; ref counts match the block
+tables; every prefix-cache entry is computed KV) are checked; a fake executor follows
 SchedulerOutput.block_ids and writes a fake KV cache, so that every prefix-cache entry and every
 request's attended context can be checked against what was really "computed". At the end the
 scheduler is drained: every request must finish exactly once and every block must be free.

@@ -3,7 +3,6 @@ import argparse
 import json
 import re
 
-import pytest
 
 from kvflow.sim.cli import add_simulate_parser, main
 from kvflow.sim.workload import data_dir
@@ -12,7 +11,6 @@ CONV = data_dir() / "splitwise_conv.csv"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(not CONV.exists(), reason="../shared/data not present")
 def test_simulate_writes_summary_plots_and_step_viewer(tmp_path, capsys):
     rc = main(["--trace", str(CONV), "--num-requests", "40", "--request-rate", "6",
                "--model", "Llama-3-8B", "--gpu", "h100", "--policy", "vllm",

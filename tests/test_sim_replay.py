@@ -10,14 +10,12 @@ from kvflow.sim.workload import (data_dir, load_trace, synthetic, with_arrivals,
 
 CM = CostModel(get_model("Llama-3-8B"), get_gpu("h100"))
 CONV = data_dir() / "splitwise_conv.csv"
-needs_trace = pytest.mark.skipif(not CONV.exists(), reason="../shared/data not present")
 
 
 def _conv(n, rate, seed):
     return with_arrivals(load_trace(CONV).head(n), "poisson", rate, seed)
 
 
-@needs_trace
 def test_replay_is_deterministic_for_a_seed():
     cfg = scheduler_config("vllm", num_blocks=4000, max_num_batched_tokens=2048)
     a = simulate(_conv(300, 12.0, seed=3), CM, cfg)
@@ -33,7 +31,6 @@ def test_replay_is_deterministic_for_a_seed():
     assert sa["total_output_tokens"] == sc["total_output_tokens"]   # same requests
 
 
-@needs_trace
 def test_trace_replay_keeps_the_traces_arrival_times_and_lengths():
     wl = load_trace(CONV).head(200)
     r = simulate(wl, CM, scheduler_config("vllm", num_blocks=20_000))
@@ -139,3 +136,9 @@ def test_measured_scheduler_time_is_optional_and_only_changes_the_clock():
     assert (measured.num_output == fixed.num_output).all()
     assert measured.num_steps == fixed.num_steps            # same decisions, other timestamps
     assert measured.sim_time != fixed.sim_time
+
+
+def test_the_traces_ship_with_the_package_and_load_by_bare_name():
+    for name, n in (("splitwise_conv.csv", 19_366), ("splitwise_code.csv", 8_819),
+                    ("sharegpt_8k.csv", 30_731)):
+        assert len(load_trace(name).prompt_lens) == n

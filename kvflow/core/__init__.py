@@ -1,4 +1,4 @@
-"""The scheduler core: pure Python, no torch. See ../shared/DESIGN.md for its boundaries."""
+"""The scheduler core: pure Python, no torch (tests/test_import_boundaries.py enforces it)."""
 from kvflow.core.block_pool import BlockPool, KVCacheBlock
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager

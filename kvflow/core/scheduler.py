@@ -1,6 +1,6 @@
 """The scheduler: every step, one token budget shared by running requests, then waiting ones.
 
-Follows vLLM V1 (see ../shared/reference/003 and 004): no prefill or decode phase, only requests
+Follows vLLM V1: no prefill or decode phase, only requests
 whose num_computed_tokens chases their num_tokens. Running requests are served first, in order,
 preempting by recompute when blocks run out; waiting requests are admitted only in a step that
 preempted nothing, in queue order, stopping at the first that does not fit.

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", help="CSV with num_prefill_tokens, num_decode_tokens "
-                     "[, arrived_at]; a bare file name is looked up in ../shared/data")
+                     "[, arrived_at]; a bare file name is looked up in the traces kvflow ships")
     src.add_argument("--scenario", choices=sorted(SCENARIOS),
                      help="long-short: doc 000's 1 long + 7 short (+14 more short); "
                           "long-prefill: doc 004's 30,000-token prompt among decodes")

@@ -1,6 +1,6 @@
 """Workloads: who arrives when, with how many prompt tokens, wanting how many output tokens.
 
-Traces carry lengths only (see ../shared/data/README.md); prompts are synthetic token ids of
+Traces carry lengths only (see kvflow/sim/data/README.md); prompts are synthetic token ids of
 those lengths, unique per request unless a shared prefix is asked for, so prefix caching only
 hits where the workload says requests share a prefix.
 """
@@ -76,11 +76,11 @@ def _prefix(g: int, k: int) -> list[int]:
 
 # ---- sources of lengths -------------------------------------------------------------------
 def data_dir() -> Path:
-    """../shared/data next to the repository, or $KVFLOW_DATA_DIR."""
+    """$KVFLOW_DATA_DIR, or the traces shipped in the package (kvflow/sim/data)."""
     env = os.environ.get("KVFLOW_DATA_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(__file__).resolve().parent / "data"
 
 
 def load_trace(path: str | Path) -> Workload:
