@@ -15,7 +15,7 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "kvflow.engine.llm", "LLMEngine": "kvflow.engine.llm_engine",
-         "EngineArgs": "kvflow.engine.llm_engine", "RequestOutput": "kvflow.engine.outputs",
+         "EngineArgs": "kvflow.engine.arg_utils", "RequestOutput": "kvflow.engine.outputs",
          "CompletionOutput": "kvflow.engine.outputs"}
 
 

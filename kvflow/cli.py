@@ -5,45 +5,7 @@ import argparse
 import sys
 import time
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
-                   help="auto: cuda when torch sees a GPU")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on cuda, torch on cpu")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="cuda: share of GPU memory for weights, activations and the KV cache")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="cuda: run decode steps eagerly (no CUDA graphs)")
-
-
-_ENGINE_KEYS = ("dtype", "seed", "num_threads", "kv_cache_memory", "num_blocks", "block_size",
-                "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                "enable_prefix_caching", "enable_chunked_prefill",
-                "long_prefill_token_threshold", "policy", "device", "attention_backend",
-                "gpu_memory_utilization", "enforce_eager")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in _ENGINE_KEYS}
+from kvflow.engine.arg_utils import EngineArgs, engine_kwargs  # noqa: F401  (torch-free)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -117,19 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete prompts with a model")
     g.add_argument("prompt", nargs="+", help="one or more prompts")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
     c = sub.add_parser("chat", help="chat with a model (interactive, or one message)")
     c.add_argument("message", nargs="*", help="a single user message; omit for interactive")
     c.add_argument("--system", default=None, help="a system prompt")
-    add_engine_args(c)
+    EngineArgs.add_cli_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
     from kvflow.sim.cli import add_simulate_parser     # torch-free; cheap to import
     add_simulate_parser(sub)
     from kvflow.server.cli import add_serve_parser      # argparse only; FastAPI loads on use
-    add_serve_parser(sub, add_engine_args)
+    add_serve_parser(sub)
     from kvflow.bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser

@@ -119,3 +119,27 @@ def test_simulate_subcommand_is_mounted(tmp_path):
                  "h100", "--policy", "vllm", "--plots", "", "--output", str(tmp_path)]) in (0, None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary
+
+
+def test_every_engine_arg_is_a_flag_with_its_default():
+    import dataclasses
+
+    from kvflow.engine.arg_utils import EngineArgs
+    for cmd in (["generate", "x"], ["chat"], ["serve"]):
+        args = build_parser().parse_args(cmd)
+        assert EngineArgs.from_cli_args(args) == EngineArgs()
+    args = build_parser().parse_args(["serve", "--watermark", "0.2", "--no-enable-chunked-prefill",
+                                      "--num-blocks", "64"])
+    got = EngineArgs.from_cli_args(args)
+    assert (got.watermark, got.enable_chunked_prefill, got.num_blocks) == (0.2, False, 64)
+    flags = build_parser().parse_args(["generate", "x"])
+    assert all(hasattr(flags, f.name) for f in dataclasses.fields(EngineArgs))
+
+
+def test_building_the_command_line_loads_no_torch_and_no_import_circle():
+    import subprocess
+    import sys
+    code = ("import sys\nimport kvflow.server.cli\nassert 'kvflow.cli' not in sys.modules\n"
+            "from kvflow.cli import build_parser\nbuild_parser().parse_args(['serve'])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.tokenizer import Tokenizer
-from kvflow.model.backends import (check_attention_backend, check_device, make_backend,
-                                   resolve_attention_backend, resolve_device)
+from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
 from kvflow.model.loader import build_model, open_checkpoint
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
 from kvflow.sampling_params import SamplingParams, short_repr
@@ -23,56 +22,6 @@ from kvflow.sampling_params import SamplingParams, short_repr
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_CACHE_MEMORY = 2 << 30     # bytes; vLLM's CPU backend is usually run with 2-4 GiB
-
-
-@dataclass(slots=True)
-class EngineArgs:
-    """The SchedulerConfig fields plus what the model runner needs. None means 'derive it'."""
-    model: str | None = None                # HF directory or .gguf; None: embedded SmolLM2
-    dtype: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    kv_cache_memory: int | None = None      # bytes for the KV cache (ignored if num_blocks set)
-    num_blocks: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    watermark: float = 0.0
-    device: str = "cpu"                     # "cpu" | "cuda" | "auto" (cuda when available)
-    attention_backend: str = "auto"         # "torch" | "triton" | "auto" (triton on cuda)
-    gpu_memory_utilization: float = 0.9     # cuda: share of GPU memory kvflow may fill
-    enforce_eager: bool = False             # cuda: no CUDA graphs for decode batches
-
-    def __post_init__(self) -> None:
-        # Checked here, before any work, so each error names the argument the user gave.
-        for name in ("block_size", "max_num_seqs"):
-            _check_int(name, getattr(self, name), 1)
-        for name in ("num_threads", "kv_cache_memory", "num_blocks", "max_num_batched_tokens",
-                     "max_model_len"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
-        _check_int("seed", self.seed, 0)
-        if self.seed >= 1 << 64:        # torch.Generator.manual_seed's limit
-            raise ValueError(f"seed must be < 2**64, got {short_repr(self.seed)}")
-        check_device(self.device)
-        check_attention_backend(self.attention_backend)
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise ValueError(f"model must be a path, got {type(self.model).__name__}")
-
-
-def _check_int(name: str, v, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
 @dataclass(slots=True)

@@ -11,11 +11,12 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
-def add_serve_parser(sub, add_engine_args) -> None:
+def add_serve_parser(sub) -> None:
+    from kvflow.engine.arg_utils import EngineArgs      # torch-free
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
     p.add_argument("model_tag", nargs="?", default=None,
                    help="model path, as in `vllm serve MODEL` (same as --model)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
@@ -51,16 +52,15 @@ def served_name(model: str | None) -> str:
 
 
 def cmd_serve(args) -> int:
-    from kvflow.cli import engine_kwargs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.async_llm import AsyncLLM
-    from kvflow.engine.llm_engine import EngineArgs
     from kvflow.server.api_server import build_app
     from kvflow.server.http_server import make_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=model, **engine_kwargs(args)))
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, model=model))
     names = args.served_model_name or [served_name(model)]
     if model is None:
         from kvflow.model.gguf_loader import default_model_path
