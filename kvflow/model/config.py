@@ -1,4 +1,7 @@
-"""A model's shape, read from an HF config.json dict (GGUF metadata is converted to one first)."""
+"""A model's shape, read from an HF config.json dict (GGUF metadata is converted to one first).
+
+Torch-free: the simulator reads its model shapes through hf_shape() too, so both read a
+config.json the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +12,19 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+
+def hf_shape(d: dict, default_dtype: str = "float32") -> dict:
+    """The dense transformer shape of an HF config.json dict, whatever the architecture."""
+    heads = d["num_attention_heads"]
+    dtype = d.get("torch_dtype") or d.get("dtype") or default_dtype
+    return dict(
+        hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        torch_dtype=str(dtype).replace("torch.", ""))
 
 
 @dataclass(slots=True)
@@ -41,7 +57,6 @@ class ModelConfig:
                              f"{sorted(ARCHITECTURES)}")
         if d.get("sliding_window") and d.get("use_sliding_window", arch == "llama"):
             raise ValueError("sliding-window attention is not supported")
-        heads = d["num_attention_heads"]
         # transformers >= 5 nests rope settings in "rope_parameters"; older files have
         # rope_theta / rope_scaling at the top level.
         rope = dict(d.get("rope_parameters") or {})
@@ -54,24 +69,15 @@ class ModelConfig:
             if kind == "default":
                 scaling = None
         eos = d.get("eos_token_id")
-        dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
         return cls(
             architecture=arch,
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            vocab_size=d["vocab_size"],
+            **hf_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
-            torch_dtype=str(dtype).replace("torch.", ""),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )

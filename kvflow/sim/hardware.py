@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvflow.model.config import hf_shape
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -101,20 +103,19 @@ class ModelShape:
     def from_hf_config(cls, cfg: dict, name: str = "custom") -> "ModelShape":
         if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts")):
             raise ValueError("mixture-of-experts models are not modelled (dense shapes only)")
-        heads = cfg["num_attention_heads"]
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        s = hf_shape(cfg, default_dtype="bfloat16")     # the runner's reader, torch-free
         return cls(
             name=cfg.get("_name_or_path") or name,
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            hidden_size=s["hidden_size"],
+            num_layers=s["num_layers"],
+            num_heads=s["num_heads"],
+            num_kv_heads=s["num_kv_heads"],
+            head_dim=s["head_dim"],
+            intermediate_size=s["intermediate_size"],
+            vocab_size=s["vocab_size"],
+            tie_word_embeddings=s["tie_word_embeddings"],
             max_model_len=cfg.get("max_position_embeddings", 8192),
-            dtype_bytes=4 if dtype.endswith("float32") else 2,
+            dtype_bytes=4 if s["torch_dtype"] == "float32" else 2,
         )
 
 
