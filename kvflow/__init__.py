@@ -1,11 +1,8 @@
 """kvflow: a readable LLM inference engine built around a vLLM V1-style scheduler."""
 import os
 
-# torch's OpenMP threads spin ~300k iterations waiting for the next parallel region. A step is
-# ~15 small ops per layer, so on a machine whose cores are shared, one descheduled thread makes
-# every op wait for a time slice: measured on the 2-core dev VM with one busy process beside it,
-# a decode step took 2.4 s by default and 0.33 s with a 10k spin (0.069 vs 0.070 s when quiet).
-# It must be set before torch loads libgomp; a value the user set wins.
+# A short OpenMP spin: on shared cores a descheduled spinning thread stalls every small op
+# (BENCHMARKS.md, "Design choices measured"). Set before torch loads libgomp; the user's wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from kvflow.sampling_params import SamplingParams  # noqa: E402

@@ -9,13 +9,9 @@ forward is CPU-bound torch and runs in that thread, so the event loop stays free
 connections and write chunks while a step runs. Concurrent requests all sit in the engine's
 scheduler and share its continuous batching.
 
-Why a separate thread and not the caller's: the model is loaded in the caller's thread, so
-libgomp then manages more threads than this 2-core box has cores and throttles its spin-wait
-(workers sleep on a futex between parallel regions). Measured with the offline LLM on SmolLM2
-(float32, 8 x 128-token prompts, 32 tokens each): stepping in another thread gave a steady
-72-74 tok/s; stepping in the loading thread gave 95-100 tok/s on an idle machine but collapsed
-to 5-40 tok/s whenever another runnable thread competed for a core (spinning OpenMP workers),
-which a server, with its event loop and clients, always has.
+Why a separate thread and not the caller's: stepping in the thread that loaded the model was
+faster on an idle machine but collapsed whenever another runnable thread competed for a core,
+which a server always has (BENCHMARKS.md, "Design choices measured").
 
 Abort. When the consumer of a request's stream stops early (`RequestStream.close()`, or the
 `generate()` generator is closed or its task cancelled, e.g. because the HTTP client went away,

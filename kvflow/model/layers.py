@@ -72,9 +72,8 @@ def prepare_linears(linears: list[nn.Linear], dtype: torch.dtype, device: str) -
 
 
 def pack_linear(m: nn.Linear) -> None:
-    """Reorder a bf16 weight once into oneDNN's blocked (AMX/AVX512) layout. A plain matmul
-    re-packs the weight on every call; packed, a 256-row decode matmul ran 20-27% faster on the
-    dev VM (results bit-identical, same oneDNN kernel)."""
+    """Reorder a bf16 weight once into oneDNN's blocked (AMX/AVX512) layout: a plain matmul
+    re-packs it on every call (BENCHMARKS.md, "Design choices measured")."""
     m.__dict__["packed"] = _reorder(m.weight.detach())
     # The packed copy replaces the plain weight, which nothing reads any more: keeping both
     # would double the weights' memory (a 7B bf16 model would need 28 GB).
