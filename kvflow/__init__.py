@@ -11,14 +11,10 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"
            "SamplingParams"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "kvflow.engine.llm", "LLMEngine": "kvflow.engine.llm_engine",
-         "EngineArgs": "kvflow.engine.arg_utils", "RequestOutput": "kvflow.engine.outputs",
-         "CompletionOutput": "kvflow.engine.outputs"}
-
 
 def __getattr__(name: str):
     # Lazy, so that `import kvflow.core` (pure Python) never pulls in torch.
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in __all__:
+        from kvflow import engine
+        return getattr(engine, name)
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")
