@@ -11,13 +11,15 @@ from collections.abc import Iterable
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
+                                 SchedulerOutput, SchedulerStats)
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.request_queue import create_request_queue
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_NO_TOKENS = _NO_BLOCKS = ()     # shared, so immutable
 
 
 class Scheduler:
@@ -115,6 +117,7 @@ class Scheduler:
         block_ids: dict[str, list[int]] = {}
         sched_reqs: list[Request] = []      # in scheduling order: running, then admitted
         sched_running_ids: list[str] = []
+        new_reqs: list[NewRequestData] = []
         new_ids: list[str] = []
         resumed_ids: list[str] = []
         preempted: list[Request] = []
@@ -163,16 +166,20 @@ class Scheduler:
             sched_running_ids.append(rid)
             budget -= n
             i += 1
+        cached = self._cached_request_data(sched_reqs, block_ids, sched_running_ids)
 
         # 2. Waiting requests, only if nothing was preempted, in order, no skipping.
         if not preempted:
-            self._admit_waiting(budget, num_scheduled, block_ids, sched_reqs, new_ids, resumed_ids)
+            self._admit_waiting(budget, num_scheduled, block_ids, sched_reqs, new_reqs, new_ids,
+                                resumed_ids)
 
         for req in sched_reqs:
             req.num_computed_tokens += num_scheduled[req.request_id]
         out = SchedulerOutput(
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
             scheduled_new_req_ids=new_ids,
             scheduled_resumed_req_ids=resumed_ids,
             scheduled_running_req_ids=sched_running_ids,
@@ -182,6 +189,18 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return out
+
+    def _cached_request_data(self, reqs: list[Request], tables: dict[str, list[int]],
+                             req_ids: list[str]) -> CachedRequestData:
+        """The running requests' part of the message, taken before admission and before
+        num_computed_tokens advances. A running request's table held ceil(computed /
+        block_size) blocks before this step, so the rest of it is new."""
+        bs = self.block_size
+        computed = [r.num_computed_tokens for r in reqs]
+        new_blocks = [t[-(-c // bs):] if (len(t) - 1) * bs >= c else _NO_BLOCKS
+                      for t, c in zip(tables.values(), computed)]
+        # No tokens: the runner appended every token it sampled.
+        return CachedRequestData(req_ids, [_NO_TOKENS] * len(req_ids), new_blocks, computed)
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
@@ -193,7 +212,8 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        block_ids: dict[str, list[int]], sched_reqs: list[Request],
-                       new_ids: list[str], resumed_ids: list[str]) -> None:
+                       new_reqs: list[NewRequestData], new_ids: list[str],
+                       resumed_ids: list[str]) -> None:
         c, kvm, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
         threshold = c.long_prefill_token_threshold
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
@@ -223,6 +243,8 @@ class Scheduler:
                 self.prefix_cache_queries += num_tokens
                 self.prefix_cache_hits += num_hit
             running.append(req)
+            new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params, ids,
+                                           num_hit, req.eos_token_id, req.output_token_ids[:]))
             num_scheduled[rid] = n
             block_ids[rid] = ids
             sched_reqs.append(req)
