@@ -43,10 +43,10 @@ def test_a_running_request_carries_only_its_new_blocks_and_computed_tokens():
         so, _ = step(s)
         c = so.scheduled_cached_reqs
         assert (c.req_ids, c.num_computed_tokens) == (["a"], [pos])
-        assert list(c.new_block_ids[0]) == [] and list(c.new_token_ids[0]) == []
+        assert c.new_block_ids == [None] and list(c.new_token_ids[0]) == []
     so, _ = step(s)                                       # position 8 opens block 2
     c = so.scheduled_cached_reqs
-    assert c.num_computed_tokens == [8] and list(c.new_block_ids[0]) == [2]
+    assert c.num_computed_tokens == [8] and c.new_block_ids == [[2]]
     assert so.block_ids["a"] == [0, 1, 2]
 
 
@@ -91,7 +91,7 @@ class _Mirror:
             st = self.reqs[rid]
             assert st["computed"] == n
             st["tokens"] += toks
-            st["blocks"] += blocks
+            st["blocks"] += blocks or []
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             st["computed"] += n

@@ -33,6 +33,9 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # request_id -> how many of its leading blocks are in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # request_id -> the block ids allocate_slots appended to its table since the scheduler
+        # last cleared this (each step): what SchedulerOutput sends a runner as new_block_ids.
+        self.new_block_ids: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -134,6 +137,7 @@ class KVCacheManager:
                 new_ids += [b.block_id for b in self.block_pool.get_new_blocks(num_new_blocks)]
             ids = new_ids if ids is None else ids + new_ids
             self.req_to_block_ids[rid] = ids
+            self.new_block_ids[rid] = new_ids
         assert ids is not None, "a new request always needs at least one block"
         if rid not in self.num_cached_block:
             self.num_cached_block[rid] = num_hits

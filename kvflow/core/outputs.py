@@ -25,11 +25,12 @@ class CachedRequestData:
     """Running requests the runner already holds, as parallel lists: only what changed.
 
     The runner appends the tokens it samples itself, so new_token_ids are only those it never
-    saw (none in kvflow's engine); new_block_ids are the blocks appended to the table this step.
+    saw (none in kvflow's engine); new_block_ids are the blocks appended to the table this step
+    (None: no new block, as in most decode steps).
     """
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[Sequence[int]] = field(default_factory=list)
-    new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)    # before this step
 
 

@@ -8,6 +8,7 @@ preempted nothing, in queue order, stopping at the first that does not fit.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -19,7 +20,8 @@ from kvflow.core.request_queue import create_request_queue
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
-_NO_TOKENS = _NO_BLOCKS = ()     # shared, so immutable
+_NO_TOKENS = ()     # shared, so immutable
+_num_computed = attrgetter("num_computed_tokens")
 
 
 class Scheduler:
@@ -108,6 +110,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         c = self.config
         kvm = self.kv_cache_manager
+        kvm.new_block_ids.clear()
         allocate = kvm.allocate_slots
         running = self.running
         budget = self.max_num_batched_tokens
@@ -166,7 +169,10 @@ class Scheduler:
             sched_running_ids.append(rid)
             budget -= n
             i += 1
-        cached = self._cached_request_data(sched_reqs, block_ids, sched_running_ids)
+        cached = CachedRequestData(    # before admission, before num_computed_tokens advances
+            sched_running_ids, [_NO_TOKENS] * len(sched_running_ids),
+            list(map(kvm.new_block_ids.get, sched_running_ids)),    # None: no new block
+            list(map(_num_computed, sched_reqs)))
 
         # 2. Waiting requests, only if nothing was preempted, in order, no skipping.
         if not preempted:
@@ -189,18 +195,6 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return out
-
-    def _cached_request_data(self, reqs: list[Request], tables: dict[str, list[int]],
-                             req_ids: list[str]) -> CachedRequestData:
-        """The running requests' part of the message, taken before admission and before
-        num_computed_tokens advances. A running request's table held ceil(computed /
-        block_size) blocks before this step, so the rest of it is new."""
-        bs = self.block_size
-        computed = [r.num_computed_tokens for r in reqs]
-        new_blocks = [t[-(-c // bs):] if (len(t) - 1) * bs >= c else _NO_BLOCKS
-                      for t, c in zip(tables.values(), computed)]
-        # No tokens: the runner appended every token it sampled.
-        return CachedRequestData(req_ids, [_NO_TOKENS] * len(req_ids), new_blocks, computed)
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
