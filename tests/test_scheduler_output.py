@@ -43,10 +43,10 @@ def test_a_running_request_carries_only_its_new_blocks_and_computed_tokens():
         so, _ = step(s)
         c = so.scheduled_cached_reqs
         assert (c.req_ids, c.num_computed_tokens) == (["a"], [pos])
-        assert c.new_block_ids == [None] and list(c.new_token_ids[0]) == []
+        assert c.new_block_ids == {} and list(c.new_token_ids[0]) == []
     so, _ = step(s)                                       # position 8 opens block 2
     c = so.scheduled_cached_reqs
-    assert c.num_computed_tokens == [8] and c.new_block_ids == [[2]]
+    assert c.num_computed_tokens == [8] and c.new_block_ids == {"a": [2]}
     assert so.block_ids["a"] == [0, 1, 2]
 
 
@@ -86,12 +86,12 @@ class _Mirror:
                                     "blocks": list(nr.block_ids),
                                     "computed": nr.num_computed_tokens}
         c = so.scheduled_cached_reqs
-        for rid, toks, blocks, n in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
-                                        c.num_computed_tokens):
+        assert set(c.new_block_ids) <= set(c.req_ids)
+        for rid, toks, n in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
             st = self.reqs[rid]
             assert st["computed"] == n
             st["tokens"] += toks
-            st["blocks"] += blocks or []
+            st["blocks"] += c.new_block_ids.get(rid, [])
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             st["computed"] += n

@@ -1,7 +1,8 @@
 """Per-request block tables on top of the BlockPool, and the prefix-cache lookups.
 
-The only place that decides which KV blocks a request holds. The model runner (or the simulator)
-just follows the block tables handed to it in SchedulerOutput.block_ids.
+The only place that decides which KV blocks a request holds. The model runner just follows the
+blocks handed to it in SchedulerOutput (a new request's whole table, then the blocks appended),
+the simulator the tables in SchedulerOutput.block_ids.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class KVCacheManager:
         # request_id -> how many of its leading blocks are in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
         # request_id -> the block ids allocate_slots appended to its table since the scheduler
-        # last cleared this (each step): what SchedulerOutput sends a runner as new_block_ids.
+        # last took them (each step): what SchedulerOutput sends a runner as new_block_ids.
         self.new_block_ids: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class KVCacheManager:
         """Release the request's blocks, last block first so the LRU evicts tails first."""
         rid = request.request_id
         self.num_cached_block.pop(rid, None)
+        self.new_block_ids.pop(rid, None)
         ids = self.req_to_block_ids.pop(rid, None)
         if ids:
             blocks = self._blocks
@@ -164,6 +166,10 @@ class KVCacheManager:
         start = request.num_computed_tokens // self.block_size
         for i in range(start, len(ids)):
             self.block_pool.uncache(self._blocks[ids[i]])
+
+    def take_new_block_ids(self) -> dict[str, list[int]]:
+        new, self.new_block_ids = self.new_block_ids, {}
+        return new
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

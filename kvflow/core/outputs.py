@@ -22,15 +22,16 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """Running requests the runner already holds, as parallel lists: only what changed.
+    """Running requests the runner already holds: only what changed.
 
-    The runner appends the tokens it samples itself, so new_token_ids are only those it never
-    saw (none in kvflow's engine); new_block_ids are the blocks appended to the table this step
-    (None: no new block, as in most decode steps).
+    req_ids, new_token_ids and num_computed_tokens are parallel lists. The runner appends the
+    tokens it samples itself, so new_token_ids are only those it never saw (none in kvflow's
+    engine). new_block_ids holds only the requests whose table grew this step (a decode opens a
+    block once in block_size steps), with the blocks appended: no per-request cost otherwise.
     """
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[Sequence[int]] = field(default_factory=list)
-    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_computed_tokens: list[int] = field(default_factory=list)    # before this step
 
 

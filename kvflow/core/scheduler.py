@@ -8,7 +8,6 @@ preempted nothing, in queue order, stopping at the first that does not fit.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import attrgetter
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -21,7 +20,6 @@ _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _NO_TOKENS = ()     # shared, so immutable
-_num_computed = attrgetter("num_computed_tokens")
 
 
 class Scheduler:
@@ -110,7 +108,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         c = self.config
         kvm = self.kv_cache_manager
-        kvm.new_block_ids.clear()
+        kvm.take_new_block_ids()        # the last step's admissions: sent in full, not as new
         allocate = kvm.allocate_slots
         running = self.running
         budget = self.max_num_batched_tokens
@@ -118,8 +116,8 @@ class Scheduler:
         last_pos = self.max_model_len - 1
         num_scheduled: dict[str, int] = {}
         block_ids: dict[str, list[int]] = {}
-        sched_reqs: list[Request] = []      # in scheduling order: running, then admitted
         sched_running_ids: list[str] = []
+        sched_computed: list[int] = []      # their num_computed_tokens before this step
         new_reqs: list[NewRequestData] = []
         new_ids: list[str] = []
         resumed_ids: list[str] = []
@@ -146,10 +144,12 @@ class Scheduler:
             while ids is None:
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:     # priority only: undo its schedule
-                    budget += num_scheduled.pop(victim.request_id)
+                    undone = num_scheduled.pop(victim.request_id)
+                    budget += undone
+                    victim.num_computed_tokens -= undone
                     del block_ids[victim.request_id]
-                    sched_reqs.remove(victim)
-                    sched_running_ids.remove(victim.request_id)
+                    k = sched_running_ids.index(victim.request_id)
+                    del sched_running_ids[k], sched_computed[k]
                     kvm.uncache_uncomputed(victim)
                 vi = len(running) - 1 if running[-1] is victim else running.index(victim)
                 del running[vi]
@@ -165,22 +165,19 @@ class Scheduler:
             rid = req.request_id
             num_scheduled[rid] = n
             block_ids[rid] = ids
-            sched_reqs.append(req)
             sched_running_ids.append(rid)
+            sched_computed.append(computed)
+            req.num_computed_tokens = computed + n
             budget -= n
             i += 1
-        cached = CachedRequestData(    # before admission, before num_computed_tokens advances
+        cached = CachedRequestData(    # before admission: its allocations are not new blocks
             sched_running_ids, [_NO_TOKENS] * len(sched_running_ids),
-            list(map(kvm.new_block_ids.get, sched_running_ids)),    # None: no new block
-            list(map(_num_computed, sched_reqs)))
+            kvm.take_new_block_ids(), sched_computed)
 
         # 2. Waiting requests, only if nothing was preempted, in order, no skipping.
         if not preempted:
-            self._admit_waiting(budget, num_scheduled, block_ids, sched_reqs, new_reqs, new_ids,
-                                resumed_ids)
+            self._admit_waiting(budget, num_scheduled, block_ids, new_reqs, new_ids, resumed_ids)
 
-        for req in sched_reqs:
-            req.num_computed_tokens += num_scheduled[req.request_id]
         out = SchedulerOutput(
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
@@ -205,9 +202,8 @@ class Scheduler:
         return self.running[-1]
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       block_ids: dict[str, list[int]], sched_reqs: list[Request],
-                       new_reqs: list[NewRequestData], new_ids: list[str],
-                       resumed_ids: list[str]) -> None:
+                       block_ids: dict[str, list[int]], new_reqs: list[NewRequestData],
+                       new_ids: list[str], resumed_ids: list[str]) -> None:
         c, kvm, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
         threshold = c.long_prefill_token_threshold
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
@@ -231,7 +227,7 @@ class Scheduler:
             rid = req.request_id
             (new_ids if req.status == RequestStatus.WAITING else resumed_ids).append(rid)
             req.status = _RUNNING
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + n
             req.num_cached_tokens = num_hit
             if c.enable_prefix_caching:
                 self.prefix_cache_queries += num_tokens
@@ -241,7 +237,6 @@ class Scheduler:
                                            num_hit, req.eos_token_id, req.output_token_ids[:]))
             num_scheduled[rid] = n
             block_ids[rid] = ids
-            sched_reqs.append(req)
             budget -= n
 
     # ---- results of the step -----------------------------------------------------------------

@@ -140,14 +140,13 @@ class ModelRunner:
         for nr in so.scheduled_new_reqs:
             reqs[nr.req_id] = CachedRequestState.from_new(nr)
         c = so.scheduled_cached_reqs
-        for rid, toks, blocks, computed in zip(c.req_ids, c.new_token_ids, c.new_block_ids,
-                                               c.num_computed_tokens):
+        for rid, toks, computed in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
             st = reqs[rid]
             if toks:
                 st.token_ids.extend(toks)
-            if blocks:
-                st.block_ids.extend(blocks)
             st.num_computed_tokens = computed
+        for rid, blocks in c.new_block_ids.items():
+            reqs[rid].block_ids.extend(blocks)
 
     def take_failed(self) -> dict[str, Exception]:
         failed, self.failed = self.failed, {}
