@@ -121,13 +121,13 @@ class DecodeBytes:
         runner = engine.runner
         inner = runner.execute_model
 
-        def counting(so, requests):
+        def counting(so):
             n = so.num_scheduled_tokens
             if n and all(v == 1 for v in n.values()):
-                ctx = sum(requests[rid].num_computed_tokens for rid in n)
+                ctx = sum(so.context_lens().values())
                 self.steps += 1
                 self.bytes += self.weight_bytes + ctx * self.kv_per_token
-            return inner(so, requests)
+            return inner(so)
 
         runner.execute_model = counting
 

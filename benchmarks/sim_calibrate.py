@@ -6,12 +6,13 @@ produces is timed in ModelRunner.execute_model (this script wraps that method; n
 engine is changed). The workload mixes what the simulator sees: prompts of lognormal lengths
 arriving over the run at a rising rate (Poisson in engine steps), greedy outputs of 8-48 tokens,
 a CPU-sized token budget, so steps range from a lone decode to a full budget of prefill chunks
-beside dozens of decodes. Each step is run `--repeats` times in a row (re-running a
-SchedulerOutput is idempotent under greedy sampling: it rewrites the same K/V into the same
-slots and samples the same tokens), the whole workload is served `--passes` times (fresh prompt
-ids, same schedule), and each step's minimum over all its runs is kept. The device's peaks
-(matmul FLOP/s in the engine's dtype, memory copy bandwidth) are measured first and stand in for
-the datasheet numbers, so the fitted mfu/mbu are fractions of what this machine can do.
+beside dozens of decodes. Each step is run `--repeats` times in a row, the runner's request
+states restored before each rerun (re-running a SchedulerOutput from the same states is
+idempotent under greedy sampling: it rewrites the same K/V into the same slots and samples the
+same tokens), the whole workload is served `--passes` times (fresh prompt ids, same schedule),
+and each step's minimum over all its runs is kept. The device's peaks (matmul FLOP/s in the
+engine's dtype, memory copy bandwidth) are measured first and stand in for the datasheet numbers,
+so the fitted mfu/mbu are fractions of what this machine can do.
 
     python benchmarks/sim_calibrate.py [--model HF_DIR] [--dtype auto] [--requests 80]
         [--passes 2] [--repeats 2] [--threads 1] [--out docs/sim/calibration_cpu.jsonl]
@@ -25,6 +26,7 @@ CPU calibration; a GPU one needs a GPU model runner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -102,13 +104,17 @@ def make_workload(num_requests: int, vocab: int, seed: int, prompt_median: int =
             for s, p, o in zip(steps, plen, olen)]
 
 
+def _copy_states(states: dict) -> dict:
+    return {rid: dataclasses.replace(st, token_ids=list(st.token_ids),
+                                     block_ids=list(st.block_ids)) for rid, st in states.items()}
+
+
 def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
                       max_steps: int | None = None) -> list[StepSample]:
     """Serve the workload on the engine; time each step's execute_model (min of `repeats` runs).
 
     Each sample's reqs are (tokens scheduled, context length after the step) per request, read
-    from the SchedulerOutput and the scheduler's requests when execute_model is called (after
-    schedule() advanced num_computed_tokens, before update_from_output() frees anything).
+    from the SchedulerOutput when execute_model is called.
     """
     from kvflow.sampling_params import SamplingParams
 
@@ -116,13 +122,16 @@ def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
     execute = runner.execute_model
     samples: list[StepSample] = []
 
-    def timed(so, requests):
-        reqs = [(n, requests[rid].num_computed_tokens)
-                for rid, n in so.num_scheduled_tokens.items()]
+    def timed(so):
+        ctx = so.context_lens()
+        reqs = [(n, ctx[rid]) for rid, n in so.num_scheduled_tokens.items()]
         best, out = float("inf"), None
-        for _ in range(max(1, repeats)):
+        before = _copy_states(runner.requests)
+        for k in range(max(1, repeats)):
+            if k:
+                runner.requests = _copy_states(before)
             t0 = time.perf_counter()
-            out = execute(so, requests)
+            out = execute(so)
             best = min(best, time.perf_counter() - t0)
         if reqs:
             samples.append(StepSample(reqs, best))

@@ -13,3 +13,23 @@ def test_lazy_top_level_names_resolve():
     import kvflow
     from kvflow.engine import LLM
     assert kvflow.LLM is LLM
+
+
+def test_the_model_runner_never_imports_the_schedulers_requests():
+    """The runner works from SchedulerOutput alone (its own per-request state), so the engine
+    core could run in another process."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).parent.parent / "kvflow" / "model"
+    for name in ("runner.py", "cuda_runner.py", "cuda_graphs.py"):
+        tree = ast.parse((root / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(m.startswith("kvflow.core.request") for m in mods), (name, mods)
+            assert not any(m == "kvflow.core" and a.name in ("Request", "RequestStatus")
+                           for m in mods[:1] for a in getattr(node, "names", ())), name

@@ -34,7 +34,7 @@ def assert_idle(engine):
     assert not s.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
     assert s.requests == {} and s.running == [] and len(s.waiting) == 0
     assert s.kv_cache_manager.req_to_block_ids == {}
-    assert engine.states == {} and engine.runner.generators == {}
+    assert engine.states == {} and engine.runner.generators == {} and engine.runner.requests == {}
 
 
 def gen(llm, prompts, sp=GREEDY, **kw):
@@ -246,11 +246,11 @@ def test_a_failing_step_aborts_the_batch(llm, monkeypatch):
     runner = llm.llm_engine.runner
     real, calls = runner.execute_model, []
 
-    def flaky(so, reqs):
+    def flaky(so):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return real(so, reqs)
+        return real(so)
 
     monkeypatch.setattr(runner, "execute_model", flaky)
     with pytest.raises(RuntimeError, match="boom"):

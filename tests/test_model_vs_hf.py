@@ -121,9 +121,9 @@ def test_steps_mixing_decodes_and_prefill_chunks_match_hf(arch, request):
     seen = []
     execute = engine.runner.execute_model
 
-    def recording(so, requests):
+    def recording(so):
         seen.append(sorted(so.num_scheduled_tokens.values()))
-        return execute(so, requests)
+        return execute(so)
 
     engine.runner.execute_model = recording
     done = {}

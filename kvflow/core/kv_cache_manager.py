@@ -1,7 +1,8 @@
 """Per-request block tables on top of the BlockPool, and the prefix-cache lookups.
 
-The only place that decides which KV blocks a request holds. The model runner (or the simulator)
-just follows the block tables handed to it in SchedulerOutput.block_ids.
+The only place that decides which KV blocks a request holds. The model runner just follows the
+blocks handed to it in SchedulerOutput (a new request's whole table, then the blocks appended),
+the simulator the tables in SchedulerOutput.block_ids.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # request_id -> how many of its leading blocks are in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # request_id -> the block ids allocate_slots appended to its table since the scheduler
+        # last took them (each step): what SchedulerOutput sends a runner as new_block_ids.
+        self.new_block_ids: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -134,6 +138,7 @@ class KVCacheManager:
                 new_ids += [b.block_id for b in self.block_pool.get_new_blocks(num_new_blocks)]
             ids = new_ids if ids is None else ids + new_ids
             self.req_to_block_ids[rid] = ids
+            self.new_block_ids[rid] = new_ids
         assert ids is not None, "a new request always needs at least one block"
         if rid not in self.num_cached_block:
             self.num_cached_block[rid] = num_hits
@@ -145,6 +150,7 @@ class KVCacheManager:
         """Release the request's blocks, last block first so the LRU evicts tails first."""
         rid = request.request_id
         self.num_cached_block.pop(rid, None)
+        self.new_block_ids.pop(rid, None)
         ids = self.req_to_block_ids.pop(rid, None)
         if ids:
             blocks = self._blocks
@@ -160,6 +166,10 @@ class KVCacheManager:
         start = request.num_computed_tokens // self.block_size
         for i in range(start, len(ids)):
             self.block_pool.uncache(self._blocks[ids[i]])
+
+    def take_new_block_ids(self) -> dict[str, list[int]]:
+        new, self.new_block_ids = self.new_block_ids, {}
+        return new
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -1,17 +1,53 @@
 """What crosses the scheduler's boundary: the plan for a step, per-request results, stats."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner does not hold: scheduled for the first time, or resumed after a
+    preemption (the runner dropped it then, so it is sent in full again, sampled tokens too)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]                # the whole block table (a snapshot)
+    num_computed_tokens: int            # before this step: prefix-cache hits, else 0
+    eos_token_id: int | None = None     # masked below min_tokens (unless ignore_eos)
+    output_token_ids: list[int] = field(default_factory=list)     # resumed only
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Running requests the runner already holds: only what changed.
+
+    req_ids, new_token_ids and num_computed_tokens are parallel lists. The runner appends the
+    tokens it samples itself, so new_token_ids are only those it never saw (none in kvflow's
+    engine). new_block_ids holds only the requests whose table grew this step (a decode opens a
+    block once in block_size steps), with the blocks appended: no per-request cost otherwise.
+    """
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[Sequence[int]] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_computed_tokens: list[int] = field(default_factory=list)    # before this step
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The one contract between the scheduler and whatever executes a step.
+    """The one contract between the scheduler and whatever executes a step (vLLM V1's).
 
-    Every scheduled request appears in `num_scheduled_tokens` and `block_ids`. Its tokens to run
-    this step are `all_token_ids[num_computed_tokens - n : num_computed_tokens]`, read *after*
-    schedule() returned (schedule() has already advanced num_computed_tokens by n). The block-id
-    lists are snapshots: the KV cache manager never mutates a list it has handed out.
+    A runner keeps its own state per request, built from `scheduled_new_reqs`, updated from
+    `scheduled_cached_reqs`, dropped on `preempted_req_ids` and `finished_req_ids`; it never
+    reads the scheduler's Request objects. A request's tokens to run this step are its tokens
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens[id]), num_computed_tokens
+    as in the message (schedule() itself has already advanced the Request's count).
+
+    `block_ids` (each scheduled request's whole table) and the *_req_ids lists are for the
+    scheduler's side (tests, the simulator); a runner does not need them. Block-id lists are
+    snapshots: the KV cache manager never mutates a list it has handed out, nor may a runner.
 
     A block is prefix-cached as soon as the step that fills it is scheduled, so a request admitted
     later in the same step may hit blocks whose K/V this very step computes (as in vLLM). An
@@ -20,6 +56,8 @@ class SchedulerOutput:
     """
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     scheduled_new_req_ids: list[str] = field(default_factory=list)
     scheduled_resumed_req_ids: list[str] = field(default_factory=list)
     scheduled_running_req_ids: list[str] = field(default_factory=list)
@@ -30,6 +68,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def context_lens(self) -> dict[str, int]:
+        """Each scheduled request's context length once this step has run."""
+        n = self.num_scheduled_tokens
+        out = {r.req_id: r.num_computed_tokens + n[r.req_id] for r in self.scheduled_new_reqs}
+        c = self.scheduled_cached_reqs
+        for rid, computed in zip(c.req_ids, c.num_computed_tokens):
+            out[rid] = computed + n[rid]
+        return out
 
 
 @dataclass(slots=True)

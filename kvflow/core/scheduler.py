@@ -11,13 +11,15 @@ from collections.abc import Iterable
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
+                                 SchedulerOutput, SchedulerStats)
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.request_queue import create_request_queue
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_NO_TOKENS = ()     # shared, so immutable
 
 
 class Scheduler:
@@ -106,6 +108,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         c = self.config
         kvm = self.kv_cache_manager
+        kvm.take_new_block_ids()        # the last step's admissions: sent in full, not as new
         allocate = kvm.allocate_slots
         running = self.running
         budget = self.max_num_batched_tokens
@@ -113,8 +116,9 @@ class Scheduler:
         last_pos = self.max_model_len - 1
         num_scheduled: dict[str, int] = {}
         block_ids: dict[str, list[int]] = {}
-        sched_reqs: list[Request] = []      # in scheduling order: running, then admitted
         sched_running_ids: list[str] = []
+        sched_computed: list[int] = []      # their num_computed_tokens before this step
+        new_reqs: list[NewRequestData] = []
         new_ids: list[str] = []
         resumed_ids: list[str] = []
         preempted: list[Request] = []
@@ -140,10 +144,12 @@ class Scheduler:
             while ids is None:
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled:     # priority only: undo its schedule
-                    budget += num_scheduled.pop(victim.request_id)
+                    undone = num_scheduled.pop(victim.request_id)
+                    budget += undone
+                    victim.num_computed_tokens -= undone
                     del block_ids[victim.request_id]
-                    sched_reqs.remove(victim)
-                    sched_running_ids.remove(victim.request_id)
+                    k = sched_running_ids.index(victim.request_id)
+                    del sched_running_ids[k], sched_computed[k]
                     kvm.uncache_uncomputed(victim)
                 vi = len(running) - 1 if running[-1] is victim else running.index(victim)
                 del running[vi]
@@ -159,20 +165,24 @@ class Scheduler:
             rid = req.request_id
             num_scheduled[rid] = n
             block_ids[rid] = ids
-            sched_reqs.append(req)
             sched_running_ids.append(rid)
+            sched_computed.append(computed)
+            req.num_computed_tokens = computed + n
             budget -= n
             i += 1
+        cached = CachedRequestData(    # before admission: its allocations are not new blocks
+            sched_running_ids, [_NO_TOKENS] * len(sched_running_ids),
+            kvm.take_new_block_ids(), sched_computed)
 
         # 2. Waiting requests, only if nothing was preempted, in order, no skipping.
         if not preempted:
-            self._admit_waiting(budget, num_scheduled, block_ids, sched_reqs, new_ids, resumed_ids)
+            self._admit_waiting(budget, num_scheduled, block_ids, new_reqs, new_ids, resumed_ids)
 
-        for req in sched_reqs:
-            req.num_computed_tokens += num_scheduled[req.request_id]
         out = SchedulerOutput(
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
             scheduled_new_req_ids=new_ids,
             scheduled_resumed_req_ids=resumed_ids,
             scheduled_running_req_ids=sched_running_ids,
@@ -192,7 +202,7 @@ class Scheduler:
         return self.running[-1]
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       block_ids: dict[str, list[int]], sched_reqs: list[Request],
+                       block_ids: dict[str, list[int]], new_reqs: list[NewRequestData],
                        new_ids: list[str], resumed_ids: list[str]) -> None:
         c, kvm, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
         threshold = c.long_prefill_token_threshold
@@ -217,15 +227,16 @@ class Scheduler:
             rid = req.request_id
             (new_ids if req.status == RequestStatus.WAITING else resumed_ids).append(rid)
             req.status = _RUNNING
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + n
             req.num_cached_tokens = num_hit
             if c.enable_prefix_caching:
                 self.prefix_cache_queries += num_tokens
                 self.prefix_cache_hits += num_hit
             running.append(req)
+            new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params, ids,
+                                           num_hit, req.eos_token_id, req.output_token_ids[:]))
             num_scheduled[rid] = n
             block_ids[rid] = ids
-            sched_reqs.append(req)
             budget -= n
 
     # ---- results of the step -----------------------------------------------------------------

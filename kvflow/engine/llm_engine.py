@@ -116,12 +116,8 @@ class LLMEngine:
                              f"got {short_repr(bad)}")
         req = Request(request_id, ids, sp, eos_token_id=self.eos_token_id,
                       arrival_time=arrival_time, priority=priority)
-        self.runner.add_request(req)
-        try:
-            self.scheduler.add_request(req)
-        except BaseException:
-            self.runner.release((request_id,))
-            raise
+        self.runner.check_sampling_params(sp)
+        self.scheduler.add_request(req)
         self.states[request_id] = _State(text, ids, IncrementalDetokenizer(
             self.tokenizer, ids, sp.stop, sp.min_tokens), req)
 
@@ -166,7 +162,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         so = sched.schedule()
-        sampled = self.runner.execute_model(so, sched.requests)
+        sampled = self.runner.execute_model(so)
         for rid in so.scheduled_new_req_ids:
             self.num_prompt_tokens += len(sched.requests[rid].prompt_token_ids)
         results = [self._fail_request(rid, e) for rid, e in self.runner.take_failed().items()]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from kvflow.core.outputs import SchedulerOutput
-from kvflow.core.request import Request
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
 from kvflow.model.cuda_sampler import CudaSampler
@@ -37,11 +36,11 @@ class CudaModelRunner(ModelRunner):
         return upload(data, dtype, torch.device(self.device))
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      requests: dict[str, Request]) -> dict[str, list[int]]:
+    def execute_model(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return {}
-        st = self.gather_inputs(so, requests)
+        st = self.gather_inputs(so)
         n = len(st.input_ids)
         if self.graphs is not None and self.graphs.can_run(st):
             hidden = self.graphs.run(st)

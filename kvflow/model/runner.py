@@ -1,5 +1,8 @@
 """The model runner: one SchedulerOutput in, one forward pass over the flattened batch, one sampled
-token per request whose scheduled tokens reach the end of its sequence."""
+token per request whose scheduled tokens reach the end of its sequence.
+
+The runner keeps its own state per request (CachedRequestState), built and updated from the
+SchedulerOutput alone, so that the scheduler's Request objects could live in another process."""
 from __future__ import annotations
 
 import math
@@ -8,12 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.core.outputs import SchedulerOutput
-from kvflow.core.request import Request
+from kvflow.core.outputs import NewRequestData, SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
 from kvflow.model.sampler import Sampler
-from kvflow.sampling_params import short_repr
+from kvflow.sampling_params import SamplingParams, short_repr
 
 
 def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
@@ -40,15 +42,34 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def _banned(req: Request) -> list[int] | None:
-    """Below min_tokens, EOS and the stop token ids may not be sampled at all (vLLM's
-    MinTokensLogitsProcessor); the scheduler only declines to stop on them."""
-    if req.num_output_tokens >= req.min_tokens:
-        return None
-    ids = set(req.stop_token_set or ())
-    if req.stop_eos is not None:
-        ids.add(req.stop_eos)
-    return sorted(ids) or None
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner knows of a request (vLLM's name): its tokens, including those it sampled
+    itself, its block table and how far its KV is computed."""
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]                # the runner's own copy, extended step by step
+    num_computed_tokens: int
+    min_tokens_banned: list[int] | None     # EOS and stop token ids, masked below min_tokens
+
+    @classmethod
+    def from_new(cls, nr: NewRequestData) -> "CachedRequestState":
+        sp = nr.sampling_params
+        banned = set(sp.stop_token_ids)
+        if nr.eos_token_id is not None and not sp.ignore_eos:
+            banned.add(nr.eos_token_id)
+        return cls(nr.req_id, nr.prompt_token_ids + nr.output_token_ids,
+                   len(nr.prompt_token_ids), sp, list(nr.block_ids), nr.num_computed_tokens,
+                   sorted(banned) or None)
+
+    def banned(self) -> list[int] | None:
+        """Below min_tokens, EOS and the stop token ids may not be sampled at all (vLLM's
+        MinTokensLogitsProcessor); the scheduler only declines to stop on them."""
+        if len(self.token_ids) - self.num_prompt_tokens >= self.sampling_params.min_tokens:
+            return None
+        return self.min_tokens_banned
 
 
 @dataclass(slots=True)
@@ -61,7 +82,7 @@ class StepInputs:
     tables: list[list[int]]             # each request's block ids
     num_decodes: int
     logits_rows: list[int]              # rows whose logits are sampled
-    sample_reqs: list[Request]
+    sample_reqs: list[CachedRequestState]
 
 
 class ModelRunner:
@@ -76,103 +97,138 @@ class ModelRunner:
         self.kv_cache = _zeros(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}    # by request id, made at first draw
         self.failed: dict[str, Exception] = {}      # requests whose draw raised, by id
 
-    def add_request(self, req: Request) -> None:
-        """Seed the request's generator now: a seed torch rejects fails add_request (a
-        ValueError naming seed), never a step."""
-        sp = req.sampling_params
+    @staticmethod
+    def check_sampling_params(sp: SamplingParams) -> None:
+        """A seed torch rejects fails add_request (a ValueError naming seed), never a step."""
         if sp.seed is None or sp.greedy:
             return
         try:
-            self.generators[req.request_id] = torch.Generator().manual_seed(sp.seed)
+            torch.Generator().manual_seed(sp.seed)
         except (RuntimeError, ValueError, TypeError, OverflowError) as e:
             raise ValueError(f"seed {short_repr(sp.seed)} cannot seed a torch.Generator "
                              f"({e})") from None
 
-    def _generator(self, req: Request) -> torch.Generator | None:
+    def _generator(self, req: CachedRequestState) -> torch.Generator | None:
+        """Made at the request's first draw; it outlives a preemption, so a resumed request
+        draws on from where it stopped, as if it had never been preempted."""
         sp = req.sampling_params
         if sp.seed is None or sp.greedy:
             return None
-        g = self.generators.get(req.request_id)
-        if g is None:       # a request that did not come through add_request (tests)
-            self.add_request(req)
-            g = self.generators[req.request_id]
+        g = self.generators.get(req.req_id)
+        if g is None:
+            self.check_sampling_params(sp)
+            g = self.generators[req.req_id] = torch.Generator().manual_seed(sp.seed)
         return g
 
     def release(self, request_ids) -> None:
+        """Forget finished requests now (the next SchedulerOutput's finished_req_ids would)."""
         for rid in request_ids:
+            self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the message to the runner's own request states (vLLM's _update_states)."""
+        reqs = self.requests
+        if so.finished_req_ids:     # first: a finished id may come back as a new request
+            self.release(so.finished_req_ids)
+        for rid in so.preempted_req_ids:    # resumed later as a new request, sent in full
+            reqs.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            reqs[nr.req_id] = CachedRequestState.from_new(nr)
+        c = so.scheduled_cached_reqs
+        for rid, toks, computed in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
+            st = reqs[rid]
+            if toks:
+                st.token_ids.extend(toks)
+            st.num_computed_tokens = computed
+        for rid, blocks in c.new_block_ids.items():
+            reqs[rid].block_ids.extend(blocks)
 
     def take_failed(self) -> dict[str, Exception]:
         failed, self.failed = self.failed, {}
         return failed
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
+    def sample(self, logits: torch.Tensor,
+               reqs: list[CachedRequestState]) -> dict[str, list[int]]:
         """One token per request. If the batched draw raises, each row is drawn alone, so that
         only the requests at fault fail (they go to self.failed, for the engine to finish).
         Bad parameters raise before any seeded row draws; only a broken generator could leave
-        the seeded rows before it one draw further (not snapshotted: ~2 us a row every step)."""
+        the seeded rows before it one draw further (not snapshotted: ~2 us a row every step).
+        Each sampled token is appended to its request's state: the scheduler never resends it."""
         try:
             tokens = self._draw(logits, reqs)
         except Exception:
             return self._sample_rows(logits, reqs)
-        return {r.request_id: [t] for r, t in zip(reqs, tokens)}
+        out = {}
+        for r, t in zip(reqs, tokens):
+            r.token_ids.append(t)
+            out[r.req_id] = [t]
+        return out
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> list[int]:
         return self.sampler(logits, [r.sampling_params for r in reqs],
-                            [self._generator(r) for r in reqs], [_banned(r) for r in reqs])
+                            [self._generator(r) for r in reqs], [r.banned() for r in reqs])
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, list[int]]:
+    def _sample_rows(self, logits: torch.Tensor,
+                     reqs: list[CachedRequestState]) -> dict[str, list[int]]:
         out, errors = {}, {}
         for i, r in enumerate(reqs):
             try:
-                out[r.request_id] = self._draw(logits[i:i + 1], [r])
+                out[r.req_id] = toks = self._draw(logits[i:i + 1], [r])
+                r.token_ids.extend(toks)
             except Exception as e:
-                errors[r.request_id] = e
+                errors[r.req_id] = e
         if len(errors) == len(reqs) > 1:    # every row fails: the sampler, not a request
             raise next(iter(errors.values()))
         self.failed.update(errors)
         return out
 
-    def gather_inputs(self, so: SchedulerOutput, requests: dict[str, Request]) -> StepInputs:
+    def gather_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's flat inputs as Python lists, decodes (one query token) first: the attention
-        backend batches them as one group."""
+        backend batches them as one group. Call update_states(so) first."""
         bs = self.block_size
         items = so.num_scheduled_tokens.items()
         order = [rid for rid, n in items if n == 1] + [rid for rid, n in items if n != 1]
         st = StepInputs([], [], [], [0], [], [], sum(1 for _, n in items if n == 1), [], [])
         input_ids, positions, slots, qsl = st.input_ids, st.positions, st.slots, st.query_start_loc
+        reqs = self.requests
         for rid in order:
-            req = requests[rid]
+            req = reqs[rid]
             n = so.num_scheduled_tokens[rid]
-            end = req.num_computed_tokens     # already advanced by schedule()
-            start = end - n
-            table = so.block_ids[rid]
+            start = req.num_computed_tokens
+            req.num_computed_tokens = end = start + n
+            table = req.block_ids
+            if len(table) * bs < end or end > len(req.token_ids):
+                raise RuntimeError(f"request {rid!r}: the runner's state ({len(table)} blocks, "
+                                   f"{len(req.token_ids)} tokens) cannot run tokens "
+                                   f"[{start}, {end}): a SchedulerOutput was lost")
             if n == 1:
-                input_ids.append(req.all_token_ids[start])
+                input_ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(req.all_token_ids[start:end])
+                input_ids.extend(req.token_ids[start:end])
                 pos = range(start, end)
                 positions.extend(pos)
                 slots.extend([table[p // bs] * bs + p % bs for p in pos])
             qsl.append(qsl[-1] + n)
             st.seq_lens.append(end)
             st.tables.append(table)
-            if end == len(req.all_token_ids):
+            if end == len(req.token_ids):
                 st.logits_rows.append(qsl[-1] - 1)
                 st.sample_reqs.append(req)
         return st
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      requests: dict[str, Request]) -> dict[str, list[int]]:
+    def execute_model(self, so: SchedulerOutput) -> dict[str, list[int]]:
+        self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return {}
-        st = self.gather_inputs(so, requests)
+        st = self.gather_inputs(so)
         tables, input_ids, logits_rows, sample_reqs = (st.tables, st.input_ids, st.logits_rows,
                                                        st.sample_reqs)
         width = max(len(t) for t in tables)
