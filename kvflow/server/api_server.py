@@ -4,13 +4,10 @@
 it with uvicorn on a background thread (tests, `kvflow bench serve --self-test`); `kvflow serve`
 (kvflow/server/cli.py) runs it in the foreground.
 
-Bad input never reaches the engine as an exception: bodies are read in one place (_read_json)
-with a content-type check (415: a web page's form post cannot drive a keyless local server) and a
-size limit (413), parsed with every parser failure a 400 (malformed or 100,000-deep JSON, a
-5,000-digit integer, a lone surrogate such as "\\ud800" that no tokenizer or encoder accepts),
-validated strictly (400 naming the field), checked against the model (404) and the context length
-(400); ValueErrors of the engine's add_request become 400s. Error bodies are always encodable. A
-500 means a bug in kvflow.
+Bad input never reaches the engine as an exception: bodies are read, parsed and validated in one
+place (bodies.py: 415, 413 or a 400 naming the field), checked against the model (404) and the
+context length (400); ValueErrors of the engine's add_request become 400s. Error bodies are
+always encodable. A 500 means a bug in kvflow.
 
 A client that goes away, streaming or not, gets its requests aborted (see _until_disconnect); one
 that goes away mid-body is logged in one line. On shutdown (see http_server.KvflowServer) running
@@ -23,8 +20,6 @@ import contextlib
 import hmac
 import json
 import logging
-import re
-import reprlib
 import socket
 import threading
 import time
@@ -33,31 +28,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+from kvflow.server.bodies import ClientGone, read_json, validate_body
 from kvflow.server.http_server import make_server
 from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                    DetokenizeRequest, ErrorResponse, TokenizeRequest, printable)
+                                    DetokenizeRequest, ErrorResponse, TokenizeRequest)
 from kvflow.server.serving import OpenAIServing, SSEStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
-_OFF_LOOP_BYTES = 64 << 10      # bodies larger than this are parsed in a worker thread
-# A \\u escape of a UTF-16 surrogate: the only way a lone surrogate gets into parsed JSON.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_reprs = reprlib.Repr()
-_reprs.maxstring = _reprs.maxother = 80
-_repr = _reprs.repr
 logger = logging.getLogger("uvicorn.error")
-
-
-class _ClientGone(Exception):
-    """The client closed its connection before its request body was complete."""
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -97,92 +81,6 @@ class _Guard:
                 await _error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _check_content_type(request: Request) -> None:
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media != "application/json":
-        raise ApiError(415, f"the body must be JSON, sent with 'Content-Type: application/json' "
-                            f"(got {media or 'no Content-Type'!r})", None,
-                       code="unsupported_media_type")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    body, n = [], 0
-    try:
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None,
-                               code="request_too_large")
-            body.append(chunk)
-    except ClientDisconnect:
-        raise _ClientGone() from None
-    return b"".join(body)
-
-
-def _lone_surrogate_field(obj: dict) -> str | None:
-    """The top-level key under which obj holds a string with a lone surrogate (iteratively:
-    the nesting depth is up to the client)."""
-    for key, value in obj.items():
-        stack = [key, value]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, str):
-                if not x.isascii():
-                    try:
-                        x.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return key
-            elif isinstance(x, dict):
-                stack.extend(x.keys())
-                stack.extend(x.values())
-            elif isinstance(x, list):
-                stack.extend(x)
-    return None
-
-
-def _parse_json(raw: bytes) -> dict:
-    """Every way json.loads can fail on client bytes is a 400: syntax, encoding (UnicodeError),
-    nesting too deep (RecursionError), integers over Python's 4,300-digit limit (ValueError)."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise ApiError(400, "malformed JSON body: nested too deeply", None) from None
-    except (ValueError, UnicodeError) as e:         # JSONDecodeError is a ValueError
-        raise ApiError(400, f"malformed JSON body: {e}", None) from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}", None)
-    if _SURROGATE_ESCAPE.search(raw):
-        field = _lone_surrogate_field(obj)
-        if field is not None:
-            raise ApiError(400, f"{field}: a string holds a lone UTF-16 surrogate (such as "
-                                f"\\ud800), which is not valid Unicode", printable(field))
-    return obj
-
-
-async def _read_json(request: Request, limit: int) -> dict:
-    _check_content_type(request)
-    raw = await _read_body(request, limit)
-    if len(raw) > _OFF_LOOP_BYTES:      # a megabyte of JSON takes milliseconds: not on the loop
-        return await asyncio.to_thread(_parse_json, raw)
-    return _parse_json(raw)
-
-
-def _validate(model: type[BaseModel], obj: dict):
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        errs = e.errors()
-        first = errs[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        # Drop pydantic's union-member tags ('str', 'list[int]', ...) from the location.
-        where = ".".join(str(x) for x in first["loc"] if isinstance(x, int) or (
-            x not in _TYPE_TAGS and "[" not in x and "-" not in x))
-        # reprlib: bounded in length and depth (the input may be 900 levels deep)
-        got = _repr(first.get("input")) if first["type"] != "missing" else None
-        msg = f"{where}: {first['msg']}" + (f" (got {got})" if got else "")
-        raise ApiError(400, msg, param) from None
 
 
 async def _wait_disconnect(receive) -> None:
@@ -327,8 +225,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     async def _api_error(request, e: ApiError):
         return _error_response(e)
 
-    @app.exception_handler(_ClientGone)
-    async def _client_gone(request, e: _ClientGone):
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request, e: ClientGone):
         # One line, not a traceback: nothing is wrong with the server. Nobody reads the 499.
         logger.info("%s went away before sending all of its %s %s body",
                     request.client, request.method, request.url.path)
@@ -383,7 +281,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
              "max_model_len": serving.max_model_len} for n in names]}
 
     async def _generate(request: Request, model: type[BaseModel], handler):
-        req = _validate(model, await _read_json(request, max_body_bytes))
+        req = validate_body(model, await read_json(request, max_body_bytes))
         result = await _until_disconnect(request.receive, handler(req), drain.expired)
         if result is None:      # the client is gone; nobody reads this
             return Response(status_code=499)
@@ -403,7 +301,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ERRORS)
     async def tokenize(request: Request):
-        req = _validate(TokenizeRequest, await _read_json(request, max_body_bytes))
+        req = validate_body(TokenizeRequest, await read_json(request, max_body_bytes))
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", "prompt")
@@ -418,7 +316,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ERRORS)
     async def detokenize(request: Request):
-        req = _validate(DetokenizeRequest, await _read_json(request, max_body_bytes))
+        req = validate_body(DetokenizeRequest, await read_json(request, max_body_bytes))
         serving.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
         if bad is not None:
