@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -20,10 +23,15 @@ ENGINE = dict(dtype="float32", num_threads=1, max_model_len=256)
 
 @contextlib.contextmanager
 def running_server(model_dir: str, api_key: str | None = None, name: str = "tiny",
-                   app_kw: dict | None = None, server_kw: dict | None = None, **engine_kw):
-    """app_kw go to build_app, server_kw to ServerThread (timeouts), the rest to EngineArgs."""
+                   app_kw: dict | None = None, server_kw: dict | None = None,
+                   multiprocess: bool = False, core_patch: str | None = None, **engine_kw):
+    """app_kw go to build_app, server_kw to ServerThread (timeouts), the rest to EngineArgs.
+    multiprocess=False: the engine core steps in a thread, where tests can patch it.
+    core_patch: Python run first thing in the engine core's process (a sitecustomize)."""
     threads = torch.get_num_threads()
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **{**ENGINE, **engine_kw}))
+    with _core_patched(core_patch):
+        llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **{**ENGINE, **engine_kw}),
+                                        multiprocess=multiprocess)
     app = build_app(llm, name, api_key=api_key, model_path=model_dir, **(app_kw or {}))
     srv = ServerThread(app, **(server_kw or {})).start()
     try:
@@ -34,15 +42,42 @@ def running_server(model_dir: str, api_key: str | None = None, name: str = "tiny
         torch.set_num_threads(threads)
 
 
+# Every engine step 20 ms longer, in whichever process the core runs.
+SLOW_CORE_STEPS = """import time
+from kvflow.engine.core import EngineCore
+step = EngineCore.step
+def slow(self):
+    time.sleep(0.02)
+    return step(self)
+EngineCore.step = slow
+"""
+
+
+@contextlib.contextmanager
+def _core_patched(code: str | None):
+    """A spawned engine-core process runs `code` at start-up (PYTHONPATH -> sitecustomize.py)."""
+    if code is None:
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+            f.write(code)
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([d] + sys.path)
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+
+
 def engine_state(llm: AsyncLLM) -> dict:
-    """Scheduler and KV-cache numbers, read in the engine thread between steps."""
-    def read(engine):
-        s = engine.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting),
-                "unfinished": len(s.requests), "states": len(engine.states),
-                "free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
-                "num_blocks": engine.scheduler_config.num_blocks}
-    return asyncio.run(llm.call_in_engine(read))
+    """Scheduler and KV-cache numbers, read by the engine core between steps, and the number of
+    requests the frontend still tracks."""
+    st = asyncio.run(llm.call_utility("kv_state"))
+    return {**st, "states": len(llm.output_processor.states)}
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> dict:

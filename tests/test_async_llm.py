@@ -16,7 +16,7 @@ PROMPTS = ["The cat sees", "A dog likes the river", "Hello, world!", "Number 3 p
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     n = torch.get_num_threads()
-    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=False)
     yield a
     a.shutdown()
     torch.set_num_threads(n)
@@ -119,7 +119,7 @@ def test_bad_request_raises_and_engine_keeps_going(llm):
 
 
 def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama):
-    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=False)
 
     def boom():
         raise RuntimeError("boom")
@@ -143,7 +143,7 @@ def test_server_answers_503_when_the_engine_dies(tiny_llama, stream):
     from fastapi.testclient import TestClient
 
     from kvflow.server.api_server import build_app
-    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=False)
 
     def boom():
         raise RuntimeError("boom")
@@ -200,7 +200,7 @@ def test_a_request_failing_in_the_engine_ends_its_stream_with_error_and_others_g
 
 
 def test_a_failing_step_calls_the_engine_dead_callbacks_once(tiny_llama):
-    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=False)
     seen = []
     a.on_engine_dead(seen.append)
 
@@ -214,11 +214,11 @@ def test_a_failing_step_calls_the_engine_dead_callbacks_once(tiny_llama):
                 pass
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
-        a._thread.join(30)
+        a.client._thread.join(30)
         assert [str(e) for e in seen] == ["boom"] and str(a.step_error) == "boom"
     finally:
         a.shutdown()
-    b = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE))
+    b = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=False)
     b.on_engine_dead(seen.append)
     b.shutdown()                    # a shutdown is not a failure
     assert len(seen) == 1 and b.step_error is None

@@ -9,6 +9,13 @@ def test_core_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_engine_core_messages_do_not_import_torch():
+    """Frontend and engine core share only these structs: reading them needs no torch."""
+    code = ("import sys, kvflow.engine.messages; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_lazy_top_level_names_resolve():
     import kvflow
     from kvflow.engine import LLM

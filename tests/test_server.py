@@ -277,12 +277,12 @@ def test_client_disconnect_aborts_the_request(server, stream):
 def test_a_batch_completion_reaches_the_scheduler_as_a_batch(server, client):
     """All prompts of one request are added before the engine's next step (not one per step)."""
     wait_idle(server.llm)
-    engine, steps = server.llm.engine, []
+    engine, steps = server.llm.client.core, []
     inner = engine.step
 
     def counting_step():
         out = inner()
-        steps.append(sum(len(o.outputs[0].token_ids) for o in out))
+        steps.append(sum(len(o.new_token_ids) for o in out.outputs))
         return out
 
     engine.step = counting_step

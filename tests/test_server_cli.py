@@ -74,17 +74,29 @@ def test_kvflow_serve_subprocess(tiny_llama):
     assert f"tiny on http://127.0.0.1:{port}" in out
 
 
-# `kvflow serve` with every engine step 50 ms longer, so streams outlive the signal.
-SLOW_SERVE = """import sys, time
-from kvflow.engine.llm_engine import LLMEngine
-step = LLMEngine.step
+# `kvflow serve` as shipped, with EngineCore.step patched in every Python process it starts (a
+# sitecustomize on PYTHONPATH): the engine core runs in a process of its own.
+SLOW_STEP = """import time
+from kvflow.engine.core import EngineCore
+step = EngineCore.step
 def slow(self):
     time.sleep(0.05)
     return step(self)
-LLMEngine.step = slow
-from kvflow.cli import main
-sys.exit(main(sys.argv[1:]))
+EngineCore.step = slow
 """
+FAILING_STEP = """from kvflow.engine.core import EngineCore
+def step(self):
+    raise RuntimeError("step boom")
+EngineCore.step = step
+"""
+
+
+def _patched_serve(tmp_path, patch: str, args: list[str]) -> subprocess.Popen:
+    (tmp_path / "sitecustomize.py").write_text(patch)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + sys.path)
+    return subprocess.Popen([sys.executable, "-m", "kvflow.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 async def _read_stream(http: httpx.AsyncClient, url: str, max_tokens: int, first: asyncio.Event):
@@ -134,16 +146,15 @@ async def _sigterm_during_streams(proc, url: str):
         return refused, *await asyncio.wait_for(asyncio.gather(short, long, plain), 120)
 
 
-def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny_llama):
+def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny_llama, tmp_path):
     """SIGTERM: no new connections; a stream that ends within --shutdown-timeout ends normally,
     one still running then gets an error event and [DONE] instead of a silent cut, and a
     non-streamed request still running a 503."""
     port = _free_port()
-    cmd = [sys.executable, "-c", SLOW_SERVE, "serve", "--model", tiny_llama, "--port", str(port),
-           "--dtype", "float32", "--num-threads", "1", "--max-model-len", "512",
-           "--shutdown-timeout", "4", "--served-model-name", "tiny", "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ))
+    proc = _patched_serve(tmp_path, SLOW_STEP, [
+        "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+        "--max-model-len", "512", "--shutdown-timeout", "4", "--served-model-name", "tiny",
+        "--log-level", "info"])
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, url)
@@ -166,24 +177,11 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny
 
 
 # The engine's step fails on the first request; everything else is `kvflow serve` as shipped.
-_FAILING_STEP = """
-import sys
-from kvflow.engine.llm_engine import LLMEngine
-def step(self):
-    raise RuntimeError("step boom")
-LLMEngine.step = step
-from kvflow.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_kvflow_serve_exits_non_zero_when_the_engine_step_fails(tiny_llama):
+def test_kvflow_serve_exits_non_zero_when_the_engine_step_fails(tiny_llama, tmp_path):
     port = _free_port()
-    cmd = [sys.executable, "-c", _FAILING_STEP, "serve", "--model", tiny_llama, "--port",
-           str(port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "128",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ))
+    proc = _patched_serve(tmp_path, FAILING_STEP, [
+        "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+        "--max-model-len", "128", "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, url)

@@ -7,16 +7,20 @@ import json
 import httpx
 import pytest
 
-from server_helpers import metric, metrics, running_server, wait_idle
+from server_helpers import SLOW_CORE_STEPS, metric, metrics, running_server, wait_idle
 
 N, DISCONNECT_EVERY = 200, 5        # clients 0, 5, 10, ... hang up: 40 of 200
 MAX_TOKENS, LONG_MAX_TOKENS = 24, 200
 HANG_GUARD_S = 240                  # a bound against hangs, not a timing assertion
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    with running_server(tiny_llama, max_num_seqs=256) as s:
+@pytest.fixture(scope="module", params=[False, True], ids=["core-thread", "core-process"])
+def server(tiny_llama, request):
+    # In its own process the tiny model's core could finish a hung-up client's 200 tokens
+    # before the abort arrives; slower steps keep "the client left first" true.
+    patch = SLOW_CORE_STEPS if request.param else None
+    with running_server(tiny_llama, max_num_seqs=256, multiprocess=request.param,
+                        core_patch=patch) as s:
         yield s
 
 

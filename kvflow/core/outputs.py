@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvflow.sampling_params import SamplingParams
 
 
@@ -79,13 +81,20 @@ class SchedulerOutput:
         return out
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step: tokens sampled, and how it ended if it did. A msgspec
+    struct: the engine core sends it as it is to a frontend in another process."""
     request_id: str
     new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None    # "stop" | "length" | "abort"
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None            # finish_reason "error": the message ...
+    error_is_input: bool = False        # ... and whether the request's input caused it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -51,22 +51,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
         if request.status != RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid!r} was already scheduled ({request.status.name})")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
-        if n >= c.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens must be shorter than "
-                             f"max_model_len ({c.max_model_len})")
-        if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds "
-                             f"max_num_batched_tokens ({c.max_num_batched_tokens}) and chunked "
-                             f"prefill is disabled")
-        longest = min(n + request.max_tokens - 1, c.max_model_len)
-        need = self.kv_cache_manager.num_blocks_for(longest)
-        if need > c.num_blocks:
-            raise ValueError(f"request {rid!r}: up to {longest} tokens need {need} KV blocks but "
-                             f"the cache has only num_blocks={c.num_blocks}; lower max_tokens or "
-                             f"add blocks")
+        check_new_request(c, rid, request.num_prompt_tokens, request.max_tokens)
         self._num_added += 1
         request.seq_no = self._num_added
         self.requests[rid] = request
@@ -276,13 +261,13 @@ class Scheduler:
                         toks = toks[:k + 1]
                     break
             if status is None:
-                outputs.append(EngineCoreOutput(rid, toks))
+                outputs.append(EngineCoreOutput(rid, toks, None, None, req.num_cached_tokens))
             else:
                 req.status = status
                 self._free_request(req)
                 num_finished += 1
-                outputs.append(EngineCoreOutput(rid, toks, True, req.get_finished_reason(),
-                                                req.stop_reason))
+                outputs.append(EngineCoreOutput(rid, toks, req.get_finished_reason(),
+                                                req.stop_reason, req.num_cached_tokens))
         if num_finished:
             self.running[:] = [r for r in self.running if r.status == _RUNNING]
         return outputs
@@ -306,3 +291,23 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def check_new_request(c: SchedulerConfig, rid: str, n: int, max_tokens: int) -> None:
+    """What add_request refuses for a prompt of n tokens (a frontend checks it too, before a
+    request travels to the engine core)."""
+    if n == 0:
+        raise ValueError(f"request {rid!r}: the prompt is empty")
+    if n >= c.max_model_len:
+        raise ValueError(f"request {rid!r}: prompt of {n} tokens must be shorter than "
+                         f"max_model_len ({c.max_model_len})")
+    if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+        raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds "
+                         f"max_num_batched_tokens ({c.max_num_batched_tokens}) and chunked "
+                         f"prefill is disabled")
+    longest = min(n + max_tokens - 1, c.max_model_len)
+    need = -(-longest // c.block_size)
+    if need > c.num_blocks:
+        raise ValueError(f"request {rid!r}: up to {longest} tokens need {need} KV blocks but "
+                         f"the cache has only num_blocks={c.num_blocks}; lower max_tokens or "
+                         f"add blocks")

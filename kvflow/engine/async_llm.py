@@ -1,46 +1,39 @@
-"""AsyncLLM: an LLMEngine driven by a background thread, one async stream of outputs per request.
+"""AsyncLLM: the serving frontend. Prompts in, one async stream of outputs per request.
 
-Threading model. One engine thread owns the LLMEngine: nothing else ever touches it. Callers on
-the event loop talk to that thread through a command list (add, abort, call), guarded by a
-condition variable; the thread applies every pending command, runs one `engine.step()` if any
-request is unfinished, hands the step's outputs to the requests' asyncio queues with a single
-`loop.call_soon_threadsafe`, and sleeps on the condition when there is nothing to do. The model
-forward is CPU-bound torch and runs in that thread, so the event loop stays free to accept
-connections and write chunks while a step runs. Concurrent requests all sit in the engine's
-scheduler and share its continuous batching.
+The frontend owns text: it validates and tokenizes prompts (InputProcessor), detokenizes and
+applies stop strings (OutputProcessor), and times every request for the metrics. The engine core
+(scheduler + model runner) runs in a process of its own by default (MPClient: msgpack over ZMQ),
+so the model's steps never wait on the event loop, HTTP, tokenization or detokenization, and
+vice versa. `multiprocess=False` (or KVFLOW_ENABLE_MULTIPROCESSING=0) runs it in a thread of
+this process instead (InprocClient), where tests can reach into it with `call_in_engine`.
 
-Why a separate thread and not the caller's: stepping in the thread that loaded the model was
-faster on an idle machine but collapsed whenever another runnable thread competed for a core,
-which a server always has (BENCHMARKS.md, "Design choices measured").
+Outputs arrive on one client thread, step by step; that thread detokenizes and hands each
+request's output to its asyncio queue with one `loop.call_soon_threadsafe` per loop. A stream
+consumer that stops early (`RequestStream.close()`, a cancelled task, a closed generator) aborts
+its request: the core frees its blocks before its next step.
 
-Abort. When the consumer of a request's stream stops early (`RequestStream.close()`, or the
-`generate()` generator is closed or its task cancelled, e.g. because the HTTP client went away,
-or the task awaiting `add_request` is cancelled) or when `abort()` is called, an abort command
-is queued and the engine thread calls `engine.abort_request` before its next step: the request's
-KV blocks are free at the next step boundary, at most one step later. An explicit `abort()`
-also ends the request's stream with a final output whose finish_reason is "abort".
-
-Timings. The engine does not timestamp tokens, so they are measured here, in the engine thread,
-with time.monotonic(): arrival when `generate()` is called, "scheduled" at the start of the first
-step after which the request has computed tokens (the scheduler plans the step before the forward
-runs, so that is when it was first scheduled), and each token batch when the step that produced it
-returns. Per step, an `IterationStats` with those numbers goes to every registered stat logger
-(the server's Prometheus metrics) from the engine thread.
+If the core dies (a failed step, a killed process), every stream ends with EngineDeadError,
+`is_running` turns False (the server's /health answers 503) and `on_engine_dead` callbacks run.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
+import os
 import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvflow.core import RequestStatus, SchedulerStats
-from kvflow.engine.llm_engine import EngineArgs, LLMEngine
+from kvflow.core import SchedulerStats
+from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.core_client import InprocClient, MPClient
+from kvflow.engine.messages import EngineCoreOutputs
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
+from kvflow.engine.processor import InputProcessor, OutputProcessor
+from kvflow.engine.tokenizer import Tokenizer
+from kvflow.model.loader import open_checkpoint
 from kvflow.sampling_params import SamplingParams
 
 
@@ -75,12 +68,13 @@ class _Stream:
     __slots__ = ("queue", "loop", "arrival", "scheduled", "first_token", "last_token",
                  "num_prompt_tokens", "num_tokens", "last_output")
 
-    def __init__(self, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrival: float):
+    def __init__(self, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrival: float,
+                 num_prompt_tokens: int):
         self.queue, self.loop, self.arrival = queue, loop, arrival
         self.scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
         self.last_output: RequestOutput | None = None
 
@@ -90,74 +84,90 @@ def _deliver(items: list) -> None:
         q.put_nowait(item)
 
 
+def multiprocessing_enabled() -> bool:
+    return os.environ.get("KVFLOW_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_config = engine.model_config
-        self.scheduler_config = engine.scheduler_config
+    def __init__(self, args: EngineArgs, multiprocess: bool | None = None) -> None:
+        t0 = time.perf_counter()
         self.stat_loggers: list = []
-        self._cv = threading.Condition()
-        self._commands: list[tuple] = []
-        self._streams: dict[str, _Stream] = {}     # engine thread only
-        self._unscheduled: set[str] = set()         # engine thread only
+        self._lock = threading.Lock()       # streams and output processor: loop vs client thread
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
-        self.step_error: BaseException | None = None     # what killed the engine thread
+        self.step_error: BaseException | None = None     # what killed the engine core
         self._on_dead: list[Callable[[BaseException], object]] = []
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
-        self._thread.start()
+        self._last_stats = SchedulerStats()
+        if multiprocess if multiprocess is not None else multiprocessing_enabled():
+            client = MPClient(args, self._on_outputs, self._core_died)
+            try:        # the tokenizer loads here while the core loads the model there
+                self.tokenizer = Tokenizer.from_checkpoint(open_checkpoint(args.model))
+                ready = client.wait_ready()
+            except BaseException:
+                client.shutdown(timeout=5)
+                raise
+            self.model_config, self.scheduler_config = ready.model_config, ready.scheduler_config
+            client.start()
+        else:
+            from kvflow.engine.core import EngineCore
+            ckpt = open_checkpoint(args.model)
+            core = EngineCore(args, ckpt)
+            self.tokenizer = Tokenizer.from_checkpoint(ckpt)
+            self.model_config, self.scheduler_config = core.model_config, core.scheduler_config
+            client = InprocClient(core, self._on_outputs, self._core_died)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config,
+                                              self.scheduler_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = client
+        self.load_time = time.perf_counter() - t0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool | None = None) -> "AsyncLLM":
+        return cls(args, multiprocess)
 
     # ---- the caller's side (event loop) ---------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self.client.is_alive()
 
     @property
     def errored(self) -> bool:
         return not self.is_running
 
-    def _submit(self, *cmds: tuple) -> None:
-        with self._cv:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(f"the engine is not running ({self._dead!r})")
-            self._commands.extend(cmds)
-            self._cv.notify()
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running ({self._dead!r})")
 
     async def add_request(self, request_id: str, prompt,
                           sampling_params: SamplingParams | None = None,
                           priority: int = 0) -> "RequestStream":
-        """Hand a request to the engine; returns its output stream once the engine accepted it.
-
-        ValueErrors of LLMEngine.add_request (bad prompt, too long, duplicate id, ...) are raised
-        here. Whoever holds the stream must iterate it to the end or close() it (which aborts).
-        """
+        """Hand a request to the engine; returns its output stream. A ValueError names what is
+        wrong with it. Whoever holds the stream must iterate it to the end or close() it."""
         (stream,) = await self.add_requests([(request_id, prompt, sampling_params, priority)])
         return stream
 
     async def add_requests(self, items: list[tuple]) -> list["RequestStream"]:
         """add_request for several (request_id, prompt, sampling_params, priority) at once: all
-        reach the engine together, before its next step, so a batch is scheduled as a batch.
-        All or none: if one is refused, the others are aborted and its error is raised."""
+        reach the engine together, so a batch is scheduled as a batch. All or none."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        reqs = [self.input_processor.process(rid, prompt, sp, now, prio)
+                for rid, prompt, sp, prio in items]
+        ids = [r.request_id for _, r in reqs]
+        if len(set(ids)) < len(ids):
+            raise ValueError("request ids in one batch must be distinct")
         queues = [asyncio.Queue() for _ in items]
-        futs = [concurrent.futures.Future() for _ in items]
-        self._submit(*(("add", rid, prompt, sp, prio, q, loop, fut, now)
-                       for (rid, prompt, sp, prio), q, fut in zip(items, queues, futs)))
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
-        except BaseException:
-            for (rid, *_), fut in zip(items, futs):
-                if not fut.cancel() and not (fut.done() and fut.exception() is not None):
-                    self._abort_quietly(rid)     # added (or being added): take it out
-            raise
-        return [RequestStream(self, rid, q) for (rid, *_), q in zip(items, queues)]
+        with self._lock:
+            self._check_running()
+            taken = next((rid for rid in ids if rid in self._streams), None)
+            if taken is not None:
+                raise ValueError(f"request id {taken!r} is already in use")
+            for (text, r), q in zip(reqs, queues):
+                self.output_processor.add(text, r)
+                self._streams[r.request_id] = _Stream(q, loop, now, len(r.prompt_token_ids))
+        self.client.add([r for _, r in reqs])
+        return [RequestStream(self, rid, q) for rid, q in zip(ids, queues)]
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
@@ -166,8 +176,8 @@ class AsyncLLM:
 
         When the consumer falls behind, intermediate outputs are skipped (each one is cumulative,
         so the newest says everything). Closing the generator, or cancelling the task while it
-        awaits the next output, aborts the request at once. (If a consumer raises in its own loop
-        body, Python closes the generator only when it is garbage-collected; use
+        awaits the next output, aborts the request. (If a consumer raises in its own loop body,
+        Python closes the generator only when it is garbage-collected; use
         `contextlib.aclosing`, or `add_request` and `RequestStream.close()`, as the server does.)
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -178,146 +188,104 @@ class AsyncLLM:
         finally:
             stream.close()
 
-    def _abort_quietly(self, request_id: str) -> None:
-        try:
-            self._submit(("abort", (request_id,), False))
-        except EngineDeadError:
-            pass
+    def _abort(self, request_ids, notify: bool) -> None:
+        now = time.monotonic()
+        out, finished = [], []
+        with self._lock:
+            live = [rid for rid in request_ids if rid in self._streams]
+            self.output_processor.abort(live)
+            for rid in live:
+                st = self._streams.pop(rid)
+                finished.append(_finished_stats(st, "abort", now))
+                if notify:
+                    out.append((st, _aborted_output(rid, st)))
+        if live and self._dead is None:
+            self.client.abort(live)
+        self._send(out)
+        if finished:
+            self._record(IterationStats(self._last_stats, finished_requests=finished))
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; their streams end with finish_reason "abort". Unknown ids: no-op."""
-        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
-        self._submit(("abort", ids, True))
+        self._check_running()
+        self._abort((request_id,) if isinstance(request_id, str) else tuple(request_id), True)
 
-    async def call_in_engine(self, fn: Callable[[LLMEngine], object]):
-        """Run fn(engine) in the engine thread between steps; returns its result. For stats and
-        tests: the engine is never touched from any other thread."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("call", fn, fut))
-        return await asyncio.wrap_future(fut)
+    async def call_in_engine(self, fn: Callable):
+        """fn(engine_core) in the engine thread between steps (in-process engine only: tests)."""
+        if not isinstance(self.client, InprocClient):
+            raise TypeError("call_in_engine needs the in-process engine (multiprocess=False); "
+                            "use call_utility")
+        self._check_running()
+        return await asyncio.wrap_future(self.client.call(fn))
+
+    async def call_utility(self, method: str, *args):
+        """An EngineCore utility by name (e.g. "kv_state"), wherever the core runs."""
+        self._check_running()
+        return await asyncio.wrap_future(self.client.utility(method, args))
 
     async def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead!r})")
 
     def on_engine_dead(self, fn: Callable[[BaseException], object]) -> None:
-        """fn(error) is called once, from the engine thread, if a step fails and the engine
-        stops (not on shutdown()): `kvflow serve` then exits so that a supervisor restarts it."""
+        """fn(error) is called once, from a client thread, if the engine core fails (not on
+        shutdown()): `kvflow serve` then exits so that a supervisor restarts it."""
         self._on_dead.append(fn)
 
     def add_stat_logger(self, logger) -> None:
-        """logger.record(IterationStats) is called from the engine thread after every
-        iteration that did something."""
+        """logger.record(IterationStats) is called after every step, from the client thread."""
         self.stat_loggers.append(logger)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        self._thread.join(timeout)
+        self._fail(EngineDeadError("the engine was shut down"))
+        self.client.shutdown(timeout)
 
-    # ---- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._cv:
-                    while (not self._commands and not self._stopping
-                           and not engine.has_unfinished_requests()):
-                        self._cv.wait()
-                    if self._stopping:
-                        break
-                    cmds, self._commands = self._commands, []
-                out: list = []
-                stats = IterationStats(SchedulerStats())
-                self._apply(cmds, out, stats)
-                if engine.has_unfinished_requests():
-                    self._step(out, stats)
-                self._publish(out, stats)
-            self._fail(EngineDeadError("the engine was shut down"))
-        except BaseException as e:     # a bug in a step: fail every request, mark dead
-            traceback.print_exc()
-            self.step_error = e
-            self._fail(EngineDeadError(f"engine step failed: {e!r}"))
-            for fn in self._on_dead:
-                try:
-                    fn(e)
-                except Exception:
-                    traceback.print_exc()
+    # ---- the client thread ----------------------------------------------------------------
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        t1 = outs.step_end
+        stats = IterationStats(outs.scheduler_stats, outs.num_prompt_tokens,
+                               sum(len(o.new_token_ids) for o in outs.outputs))
+        out: list = []
+        with self._lock:
+            results, to_abort = self.output_processor.process(outs.outputs)
+            streams = self._streams
+            for rid in outs.newly_scheduled:
+                st = streams.get(rid)
+                if st is not None and st.scheduled is None:
+                    st.scheduled = outs.step_start
+            for o in results:
+                st = streams[o.request_id]
+                self._time_tokens(st, o, t1, stats)
+                out.append((st, o))
+                if o.finished:
+                    del streams[o.request_id]
+                    stats.finished_requests.append(
+                        _finished_stats(st, o.outputs[0].finish_reason or "stop", t1))
+        if to_abort:
+            self.client.abort(to_abort)
+        self._send(out)
+        self._last_stats = outs.scheduler_stats or self._last_stats
+        self._record(stats)
 
-    def _apply(self, cmds: list[tuple], out: list, stats: IterationStats) -> None:
-        engine = self.engine
-        for cmd in cmds:
-            kind = cmd[0]
-            if kind == "add":
-                _, rid, prompt, sp, priority, queue, loop, fut, arrival = cmd
-                if not fut.set_running_or_notify_cancel():    # the caller gave up already
-                    continue
-                try:
-                    engine.add_request(rid, prompt, sp, priority=priority)
-                except BaseException as e:
-                    fut.set_exception(e)
-                    continue
-                st = _Stream(queue, loop, arrival)
-                st.num_prompt_tokens = len(engine.scheduler.requests[rid].prompt_token_ids)
-                self._streams[rid] = st
-                self._unscheduled.add(rid)
-                fut.set_result(None)
-            elif kind == "abort":
-                _, ids, notify = cmd
-                live = [rid for rid in ids if rid in self._streams]
-                engine.abort_request(live)
-                now = time.monotonic()
-                for rid in live:
-                    st = self._streams.pop(rid)
-                    self._unscheduled.discard(rid)
-                    stats.finished_requests.append(_finished_stats(st, "abort", now))
-                    if notify:
-                        out.append((st, _aborted_output(rid, st)))
-            elif kind == "call":
-                _, fn, fut = cmd
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    fut.set_result(fn(engine))
-                except BaseException as e:
-                    fut.set_exception(e)
+    @staticmethod
+    def _time_tokens(st: _Stream, o: RequestOutput, t1: float, stats: IterationStats) -> None:
+        n = len(o.outputs[0].token_ids)
+        if n > st.num_tokens:
+            if st.first_token is None:
+                st.first_token = t1
+                stats.time_to_first_tokens.append(t1 - st.arrival)
+            else:
+                stats.inter_token_latencies.append(t1 - st.last_token)
+            st.last_token = t1
+            st.num_tokens = n
+        st.last_output = o
 
-    def _step(self, out: list, stats: IterationStats) -> None:
-        engine = self.engine
-        p0, g0 = engine.num_prompt_tokens, engine.num_generation_tokens
-        t0 = time.monotonic()
-        outputs = engine.step()
-        t1 = time.monotonic()
-        stats.num_prompt_tokens = engine.num_prompt_tokens - p0
-        stats.num_generation_tokens = engine.num_generation_tokens - g0
-        if self._unscheduled:
-            reqs = engine.scheduler.requests
-            for rid in list(self._unscheduled):
-                r = reqs.get(rid)
-                if r is None or r.num_computed_tokens > 0 or r.status != RequestStatus.WAITING:
-                    self._streams[rid].scheduled = t0
-                    self._unscheduled.discard(rid)
-        for o in outputs:
-            st = self._streams.get(o.request_id)
-            if st is None:
-                continue
-            n = len(o.outputs[0].token_ids)
-            if n > st.num_tokens:
-                if st.first_token is None:
-                    st.first_token = t1
-                    stats.time_to_first_tokens.append(t1 - st.arrival)
-                else:
-                    stats.inter_token_latencies.append(t1 - st.last_token)
-                st.last_token = t1
-                st.num_tokens = n
-            st.last_output = o
-            out.append((st, o))
-            if o.finished:
-                del self._streams[o.request_id]
-                self._unscheduled.discard(o.request_id)
-                stats.finished_requests.append(
-                    _finished_stats(st, o.outputs[0].finish_reason or "stop", t1))
+    def _record(self, stats: IterationStats) -> None:
+        for logger in self.stat_loggers:
+            try:
+                logger.record(stats)
+            except Exception:
+                traceback.print_exc()
 
     @staticmethod
     def _send(out: list) -> None:
@@ -331,25 +299,22 @@ class AsyncLLM:
             except RuntimeError:        # that loop is closed: nobody is listening
                 pass
 
-    def _publish(self, out: list, stats: IterationStats) -> None:
-        self._send(out)
-        stats.scheduler_stats = self.engine.scheduler.make_stats()
-        for logger in self.stat_loggers:
+    def _core_died(self, err: BaseException) -> None:
+        self.step_error = err
+        self._fail(EngineDeadError(f"engine step failed: {err!r}"))
+        for fn in self._on_dead:
             try:
-                logger.record(stats)
+                fn(err)
             except Exception:
                 traceback.print_exc()
 
     def _fail(self, err: BaseException) -> None:
-        with self._cv:
-            self._dead = err
-            cmds, self._commands = self._commands, []
-        for cmd in cmds:
-            fut = cmd[7] if cmd[0] == "add" else cmd[2] if cmd[0] == "call" else None
-            if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(err)
-        out = [(st, err) for st in self._streams.values()]
-        self._streams.clear()
+        with self._lock:
+            if self._dead is None:
+                self._dead = err
+            out = [(st, err) for st in self._streams.values()]
+            self.output_processor.abort(list(self._streams))
+            self._streams.clear()
         self._send(out)
 
 
@@ -380,7 +345,7 @@ class RequestStream:
         """Abort the request unless it already finished. Idempotent."""
         if not self.finished:
             self.finished = True
-            self.owner._abort_quietly(self.request_id)
+            self.owner._abort((self.request_id,), False)
 
 
 def _aborted_output(rid: str, st: _Stream) -> RequestOutput:

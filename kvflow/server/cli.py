@@ -73,7 +73,7 @@ def cmd_serve(args) -> int:
     c = llm.scheduler_config
     print(f"kvflow serve: {names[0]} on http://{args.host}:{args.port} (max_model_len "
           f"{c.max_model_len}, {c.num_blocks} KV blocks of {c.block_size}, max_num_seqs "
-          f"{c.max_num_seqs}, load {llm.engine.load_time:.1f} s)", file=sys.stderr)
+          f"{c.max_num_seqs}, load {llm.load_time:.1f} s)", file=sys.stderr)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          shutdown_timeout=args.shutdown_timeout)

@@ -1,0 +1,152 @@
+"""EngineCore: the scheduler and the model runner, stepping on token ids only.
+
+It runs in the frontend's process (LLMEngine, a thread of AsyncLLM) or in a process of its own
+(kvflow/engine/core_proc.py); either way it takes EngineCoreRequests and aborts, and returns
+EngineCoreOutputs. Text (tokenizer, detokenizer, stop strings) is the frontend's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
+from kvflow.core.outputs import EngineCoreOutput
+from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
+from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
+from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
+from kvflow.model.runner import ModelRunner, num_blocks_for_memory
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_CACHE_MEMORY = 2 << 30     # bytes; vLLM's CPU backend is usually run with 2-4 GiB
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, ckpt: Checkpoint | None = None) -> None:
+        t0 = time.perf_counter()
+        device = resolve_device(args.device)
+        backend_name = resolve_attention_backend(args.attention_backend, device)
+        backend = make_backend(backend_name, device)    # its errors come before any loading
+        self.device, self.attention_backend = device, backend_name
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        ckpt = ckpt if ckpt is not None else open_checkpoint(args.model)
+        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device)
+        self.model_config, self.dtype = cfg, dtype
+        self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.runner = _make_runner(args, model, cfg, dtype, backend, device,
+                                   self.scheduler_config)
+        self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
+        self.load_time = time.perf_counter() - t0
+
+    def ready_message(self) -> Ready:
+        return Ready(self.model_config, self.scheduler_config, str(self.dtype).replace("torch.", ""), self.device, self.attention_backend,
+                     self.load_time)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """The frontend validated r; a refusal here is a bug, reported as that request's error."""
+        try:
+            self.runner.check_sampling_params(r.sampling_params)
+            self.scheduler.add_request(Request(
+                r.request_id, r.prompt_token_ids, r.sampling_params,
+                eos_token_id=r.eos_token_id, arrival_time=r.arrival_time, priority=r.priority))
+        except ValueError as e:
+            logger.error("request %s refused: %s", r.request_id, e)
+            self._errors.append(EngineCoreOutput(r.request_id, [], "error", error=str(e),
+                                                 error_is_input=True))
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+        self.runner.release(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._errors)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        t0 = time.monotonic()
+        sched = self.scheduler
+        outputs, self._errors = self._errors, []
+        if not sched.has_unfinished_requests():
+            return EngineCoreOutputs(outputs, sched.make_stats(), t0, t0)
+        so = sched.schedule()
+        sampled = self.runner.execute_model(so)
+        new_ids = so.scheduled_new_req_ids
+        num_prompt = sum(sched.requests[rid].num_prompt_tokens for rid in new_ids)
+        for rid, err in self.runner.take_failed().items():
+            outputs.append(self._fail_request(rid, err))
+        outs = sched.update_from_output(so, sampled)
+        finished = [o.request_id for o in outs if o.finish_reason is not None]
+        if finished:
+            self.runner.release(finished)
+        outputs += outs
+        return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic(), new_ids,
+                                 num_prompt)
+
+    def _fail_request(self, rid: str, err: Exception) -> EngineCoreOutput:
+        """Finish one request with finish_reason "error" (blocks and generator freed); the
+        others go on. A ValueError means the request's input was at fault."""
+        logger.error("request %s failed: %r", rid, err, exc_info=err)
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+        self.runner.release((rid,))
+        return EngineCoreOutput(rid, [], "error", error=f"{type(err).__name__}: {err}"
+                                if not isinstance(err, ValueError) else str(err),
+                                error_is_input=isinstance(err, ValueError))
+
+    # ---- utilities (callable by name from the frontend) --------------------------------------
+    def kv_state(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "unfinished": len(s.requests), "runner_requests": len(self.runner.requests),
+                "free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+                "num_blocks": self.scheduler_config.num_blocks}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+
+def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
+                      ) -> SchedulerConfig:
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings and not cfg.rope_scaling:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    # CPU: 2048-token steps keep a prefill chunk's activations in cache (BENCHMARKS.md).
+    default_budget = 2048 if device == "cpu" else 8192
+    budget = args.max_num_batched_tokens or max(default_budget, args.max_num_seqs)
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+        budget = max(budget, max_len)
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        mem = args.kv_cache_memory
+        if mem is None and device == "cuda":
+            from kvflow.model.cuda_runner import profile_kv_cache_memory
+            mem = profile_kv_cache_memory(model, cfg, dtype, backend, args.block_size, budget,
+                                          args.max_num_seqs, max_len, args.gpu_memory_utilization)
+        elif mem is None:     # no more than the longest batch could ever hold
+            need = cfg.kv_bytes_per_token(dtype.itemsize) * max_len * args.max_num_seqs
+            mem = min(_DEFAULT_KV_CACHE_MEMORY, need)
+        num_blocks = num_blocks_for_memory(cfg, dtype, args.block_size, mem)
+    return SchedulerConfig(
+        block_size=args.block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
+        max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
+        watermark=args.watermark)
+
+
+def _make_runner(args: EngineArgs, model, cfg, dtype, backend, device: str,
+                 sc: SchedulerConfig) -> ModelRunner:
+    if device == "cuda":
+        from kvflow.model.cuda_runner import CudaModelRunner
+        return CudaModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend,
+                               args.seed, sc.max_num_seqs, sc.max_model_len, args.enforce_eager)
+    return ModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend, seed=args.seed)
+
