@@ -99,11 +99,17 @@ def test_the_cpu_path_never_imports_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_cuda_sampler_draws_what_the_cpu_sampler_draws_for_seeded_and_greedy_rows():
+def gpu_style_sampler(seed):
+    """The sampler as a CUDA runner makes it (batch_noise: the GPU's way of drawing the noise),
+    on CPU tensors."""
+    from kvflow.model.sampler import Sampler
+    return Sampler(seed, "cpu", batch_noise=True)
+
+
+def test_gpu_style_sampling_draws_what_the_cpu_draws_for_seeded_and_greedy_rows():
     """Run on CPU tensors: seeded rows use the request's own CPU generator on both paths, so the
     tokens are identical; greedy rows are the argmax."""
     from kvflow import SamplingParams
-    from kvflow.model.cuda_sampler import CudaSampler
     from kvflow.model.sampler import Sampler
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
@@ -114,10 +120,11 @@ def test_cuda_sampler_draws_what_the_cpu_sampler_draws_for_seeded_and_greedy_row
         return [None] + [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
 
     want = Sampler(0)(logits, params, gens())
-    got = CudaSampler(0, "cpu")(logits, params, gens())
+    got = gpu_style_sampler(0)(logits, params, gens())
     assert got == want and got[0] == int(logits[0].argmax())
-    assert CudaSampler(0, "cpu")(logits, [SamplingParams(temperature=0)] * 4,
-                                 [None] * 4) == logits.argmax(-1).tolist()
+    assert gpu_style_sampler(0)(logits, [SamplingParams(temperature=0)] * 4,
+                                [None] * 4) == logits.argmax(-1).tolist()
+    assert Sampler(0).batch_noise is False      # on CPU each row is drawn in place
 
 
 def test_a_tensor_on_cuda_is_on_cuda0_when_device_0_is_current(monkeypatch):
@@ -130,17 +137,16 @@ def test_a_tensor_on_cuda_is_on_cuda0_when_device_0_is_current(monkeypatch):
     assert same_device(torch.device("cpu"), torch.device("cpu"))
 
 
-def test_cuda_sampler_never_draws_a_token_banned_below_min_tokens():
-    """On CPU tensors: the CUDA sampler masks banned tokens like the CPU sampler, on the
-    all-greedy argmax path and the sampling path, and draws the same tokens."""
+def test_gpu_style_sampling_never_draws_a_token_banned_below_min_tokens():
+    """On CPU tensors: GPU-style sampling masks banned tokens like the CPU's, on the all-greedy
+    argmax path and the sampling path, and draws the same tokens."""
     from kvflow import SamplingParams
-    from kvflow.model.cuda_sampler import CudaSampler
     from kvflow.model.sampler import Sampler
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
     logits[:, 7] += 100                           # token 7 wins every row unless banned
     banned = [[7, 9], None, [7], [7], None, [7, 250]]
     greedy = [SamplingParams(temperature=0)] * 6
-    got = CudaSampler(0, "cpu")(logits, greedy, [None] * 6, banned)
+    got = gpu_style_sampler(0)(logits, greedy, [None] * 6, banned)
     assert [t == 7 for t in got] == [b is None for b in banned]
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=1.0, seed=2), SamplingParams(temperature=2.0, seed=3,
@@ -149,6 +155,15 @@ def test_cuda_sampler_never_draws_a_token_banned_below_min_tokens():
 
     def gens():
         return [None] + [torch.Generator().manual_seed(s) for s in range(1, 6)]
-    got = CudaSampler(0, "cpu")(logits, params, gens(), banned)
+    got = gpu_style_sampler(0)(logits, params, gens(), banned)
     assert got == Sampler(0)(logits, params, gens(), banned)
     assert [t == 7 for t in got] == [b is None for b in banned]
+
+
+def test_one_step_for_both_devices():
+    """The CUDA runner overrides device hooks only: the step and its sampling are ModelRunner's."""
+    from kvflow.model.cuda_runner import CudaModelRunner
+    from kvflow.model.runner import ModelRunner
+    for name in ("execute_model", "sample", "gather_inputs", "update_states", "release",
+                 "take_failed", "check_sampling_params"):
+        assert getattr(CudaModelRunner, name) is getattr(ModelRunner, name), name

@@ -1,67 +1,45 @@
-"""The model runner on a CUDA device: inputs from pinned host memory copied without blocking,
-decode-only steps replayed from CUDA graphs, a sampler whose only sync is the final token ids,
-and the KV cache sized from gpu_memory_utilization after a profiling forward pass.
-
-The CPU path (runner.ModelRunner) is unchanged; this subclass reuses its input gathering.
+"""The model runner on a CUDA device: ModelRunner's step, with inputs copied from pinned host
+memory without blocking, the block table in int32 for the Triton kernels, decode-only steps
+replayed from CUDA graphs, and the KV cache sized from gpu_memory_utilization after a profiling
+forward pass.
 """
 from __future__ import annotations
 
 import torch
 
-from kvflow.core.outputs import SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.cuda_sampler import CudaSampler
-from kvflow.model.h2d import upload
-from kvflow.model.runner import ModelRunner
+from kvflow.model.runner import ModelRunner, StepInputs
+from kvflow.model.sampler import Sampler
 
 _GIB = 1 << 30
 
 
 class CudaModelRunner(ModelRunner):
+    block_table_dtype = torch.int32
+
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend, seed: int,
                  max_num_seqs: int, max_model_len: int, enforce_eager: bool,
                  device: str = "cuda") -> None:
-        # device="cpu" (with the triton backend under TRITON_INTERPRET=1) exists for tests.
+        # device="cpu" (with the triton backend under TRITON_INTERPRET=1) exists for tests; the
+        # sampler then still samples as on a GPU.
         super().__init__(model, cfg, dtype, block_size, num_blocks, backend, seed=seed,
                          device=device)
-        self.sampler = CudaSampler(seed, self.device)
+        self.sampler = Sampler(seed, device, batch_noise=True)
         self.graphs = None
         if not enforce_eager:       # captured now: after the warm-up, with the KV cache in place
             from kvflow.model.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
-    def _up(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return upload(data, dtype, torch.device(self.device))
-
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> dict[str, list[int]]:
-        self.update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return {}
-        st = self.gather_inputs(so)
-        n = len(st.input_ids)
-        if self.graphs is not None and self.graphs.can_run(st):
-            hidden = self.graphs.run(st)
-            if st.sample_reqs and len(st.logits_rows) < n:
-                hidden = hidden[self._up(st.logits_rows, torch.long)]
-        else:
-            width = max(map(len, st.tables))
-            meta = AttentionMetadata(
-                num_tokens=n, slot_mapping=self._up(st.slots, torch.long),
-                query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
-                block_table=self._up([t + [0] * (width - len(t)) for t in st.tables], torch.int32),
-                num_decodes=st.num_decodes, block_size=self.block_size,
-                num_blocks=self.num_blocks)
-            self.backend.prepare(meta)
-            rows = st.logits_rows or [n - 1]        # no sampler: the layers still write KV
-            hidden = self.model(self._up(st.input_ids, torch.long),
-                                self._up(st.positions, torch.long), self.kv_caches,
-                                self.backend, meta, self._up(rows, torch.long))
-        if not st.sample_reqs:
-            return {}
-        return self.sample(self.model.compute_logits(hidden), st.sample_reqs)
+    def _forward(self, st: StepInputs) -> torch.Tensor:
+        """A decode-only step that fits a graph replays it; any other step runs eagerly."""
+        if self.graphs is None or not self.graphs.can_run(st):
+            return super()._forward(st)
+        hidden = self.graphs.run(st)        # every row: the graph computes them all anyway
+        if st.sample_reqs and len(st.logits_rows) < len(st.input_ids):
+            hidden = hidden[self._upload(st.logits_rows, torch.long)]
+        return hidden
 
 
 @torch.inference_mode()

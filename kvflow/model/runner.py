@@ -14,6 +14,7 @@ import torch
 from kvflow.core.outputs import NewRequestData, SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
+from kvflow.model.h2d import upload
 from kvflow.model.sampler import Sampler
 from kvflow.sampling_params import SamplingParams, short_repr
 
@@ -86,17 +87,21 @@ class StepInputs:
 
 
 class ModelRunner:
+    # The CPU kernels index the cache with int64 block ids; the Triton kernels read int32.
+    block_table_dtype = torch.long
+
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend | None = None,
                  seed: int = 0, device: str = "cpu") -> None:
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self._device = torch.device(device)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.backend = backend or TorchAttentionBackend()
         # One allocation for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = _zeros(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}    # by request id, made at first draw
         self.failed: dict[str, Exception] = {}      # requests whose draw raised, by id
@@ -229,26 +234,34 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return {}
         st = self.gather_inputs(so)
-        tables, input_ids, logits_rows, sample_reqs = (st.tables, st.input_ids, st.logits_rows,
-                                                       st.sample_reqs)
-        width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        meta = AttentionMetadata(num_tokens=len(input_ids),
-                                 slot_mapping=torch.tensor(st.slots, dtype=torch.long),
-                                 query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
-                                 block_table=block_table, num_decodes=st.num_decodes,
-                                 block_size=self.block_size, num_blocks=self.num_blocks)
-        self.backend.prepare(meta)
-        if not sample_reqs:
-            logits_rows = [len(input_ids) - 1]      # run the layers (they write KV); skip nothing
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
-                            torch.tensor(st.positions, dtype=torch.long), self.kv_caches,
-                            self.backend, meta, torch.tensor(logits_rows, dtype=torch.long))
-        if not sample_reqs:
+        hidden = self._forward(st)
+        if not st.sample_reqs:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        return self.sample(self.model.compute_logits(hidden), sample_reqs)
+        return self.sample(self.model.compute_logits(hidden), st.sample_reqs)
+
+    def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without
+        blocking, so the next step's inputs can be built while this one computes)."""
+        return upload(data, dtype, self._device)
+
+    def _forward(self, st: StepInputs) -> torch.Tensor:
+        """The hidden states of st.logits_rows (of the last row when no request samples: the
+        layers still write its KV). The device hook: CudaModelRunner replays CUDA graphs."""
+        n = len(st.input_ids)
+        width = max(len(t) for t in st.tables)
+        block_table = [t + [0] * (width - len(t)) for t in st.tables]
+        meta = AttentionMetadata(num_tokens=n, slot_mapping=self._upload(st.slots, torch.long),
+                                 query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+                                 block_table=self._upload(block_table, self.block_table_dtype),
+                                 num_decodes=st.num_decodes, block_size=self.block_size,
+                                 num_blocks=self.num_blocks)
+        self.backend.prepare(meta)
+        rows = st.logits_rows or [n - 1]
+        return self.model(self._upload(st.input_ids, torch.long),
+                          self._upload(st.positions, torch.long), self.kv_caches, self.backend,
+                          meta, self._upload(rows, torch.long))
 
     @torch.inference_mode()
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,22 +1,37 @@
-"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds, on CPU or a GPU.
 
 Sampling from softmax(logits) is done as argmax(probs / q) with q ~ Exp(1) (the exponential race,
 equivalent to a multinomial draw), so a seeded request only needs its own generator to draw q and
-its tokens do not depend on what else is in the batch.
+its tokens do not depend on what else is in the batch. Seeded requests draw on CPU generators on
+either device, so a seed gives the same tokens on both.
+
+On a GPU the only device->host transfer is the final token ids: host-side values (temperatures,
+the greedy mask, banned ids) go up from pinned memory without blocking (h2d.upload).
 """
 from __future__ import annotations
 
 import torch
 
+from kvflow.model.h2d import host, upload
 from kvflow.sampling_params import SamplingParams
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        from kvflow.model import cpu_ops
-        # Greedy rows in one pass over the logits (cpu_layers.cpp), cheaper than torch's max.
-        self._argmax = torch.ops.kvflow.argmax_rows if cpu_ops.available() else None
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu",
+                 batch_noise: bool | None = None) -> None:
+        """batch_noise (default: on a GPU): draw the noise of the whole batch at once and copy
+        seeded rows over it, which needs no host-built index; else draw each row in place."""
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.batch_noise = self.device.type != "cpu" if batch_noise is None else batch_noise
+        self._argmax_rows = None
+        if self.device.type == "cpu":
+            from kvflow.model import cpu_ops
+            # Greedy rows in one pass over the logits (cpu_layers.cpp), cheaper than torch's max.
+            self._argmax_rows = torch.ops.kvflow.argmax_rows if cpu_ops.available() else None
+
+    def _up(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return upload(data, dtype, self.device)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -27,21 +42,38 @@ class Sampler:
             logits = ban_tokens(logits, banned)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            if (self._argmax is not None and logits.device.type == "cpu" and logits.dim() == 2
-                    and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(1) == 1):
-                return self._argmax(logits).tolist()
-            # max(dim) returns the first maximal index like argmax, and is faster on CPU.
-            return logits.max(dim=-1).indices.tolist()
+            return self._greedy(logits).tolist()
         logits = logits.float()
         n = logits.shape[0]
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             dtype=logits.dtype)
+        temps = self._up([1.0 if p.greedy else p.temperature for p in params], torch.float32)
         x = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             x = _apply_top_k_top_p(x, top_k, top_p)
         probs = x.softmax(dim=-1)
+        sampled = _argmax(probs / self._noise(probs, generators))
+        if any(greedy):
+            sampled = torch.where(self._up(greedy, torch.bool), _argmax(logits), sampled)
+        assert sampled.shape[0] == n
+        return sampled.tolist()
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        if (self._argmax_rows is not None and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(1) == 1):
+            return self._argmax_rows(logits)
+        return _argmax(logits)
+
+    def _noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise shaped like probs: a seeded row's from its own (CPU) generator, the other
+        rows' from the sampler's."""
+        if self.batch_noise:
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            for i, g in enumerate(generators):
+                if g is not None:       # drawn on the host, copied up without blocking
+                    row = torch.empty(probs.shape[1]).exponential_(generator=g)
+                    q[i].copy_(host(row, torch.float32, q.device), non_blocking=True)
+            return q
         q = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
@@ -50,26 +82,22 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 q[i].exponential_(generator=g)
-        sampled = (probs / q).max(dim=-1).indices
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy), logits.max(dim=-1).indices, sampled)
-        assert sampled.shape[0] == n
-        return sampled.tolist()
+        return q
 
 
-def _cpu_index(ids: list[int]) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long)
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row. On CPU max(dim) gives the same index as argmax,
+    faster."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
 
 
-def ban_tokens(logits: torch.Tensor, banned: list[list[int] | None],
-               index=_cpu_index) -> torch.Tensor:
+def ban_tokens(logits: torch.Tensor, banned: list[list[int] | None]) -> torch.Tensor:
     """A copy of logits with banned[i] set to -inf in row i, as vLLM's MinTokensLogitsProcessor
-    does: the greedy argmax and the draw then can never pick them. `index` builds the index
-    tensors (the CUDA sampler uploads them from pinned memory)."""
+    does: the greedy argmax and the draw then can never pick them."""
     rows = [i for i, b in enumerate(banned) if b for _ in b]
     cols = [t for b in banned if b for t in b]
     out = logits.clone()
-    out[index(rows), index(cols)] = float("-inf")
+    out[upload(rows, torch.long, out.device), upload(cols, torch.long, out.device)] = float("-inf")
     return out
 
 
