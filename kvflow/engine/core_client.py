@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import traceback
@@ -120,8 +121,18 @@ def _utility(core, method: str, args) -> object:
 UTILITIES = frozenset({"kv_state", "reset_prefix_cache"})
 
 
+def _core_env() -> dict:
+    """OpenMP threads that sleep rather than spin between parallel regions: spinning ones fight
+    the frontend and the HTTP clients for the cores, and a preempted thread stalls every
+    barrier of the step (BENCHMARKS.md, "Serving: the engine-core process"). A user's own
+    OMP_WAIT_POLICY wins."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 class MPClient:
-    """The core runs in a spawned process (core_proc.run_engine_core); msgpack over ZMQ.
+    """The core runs in a process of its own (core_proc.py); msgpack over ZMQ.
 
     Two ipc sockets in a private temp dir: PUSH for requests and aborts, PULL for outputs. A
     frontend thread receives outputs and watches the process: if it exits or reports an error,
@@ -141,11 +152,12 @@ class MPClient:
         self._call_ids = itertools.count()
         self._stopping = False
         self._dead = False
-        from kvflow.engine.core_proc import run_engine_core
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="kvflow-engine-core", daemon=True,
-            args=(args, self._addr("in"), self._addr("out"), os.getpid()))
-        self.proc.start()
+        # A fresh interpreter, as multiprocessing's spawn, but one that never re-imports the
+        # caller's __main__ (an unguarded script, `python -c`, a notebook all work).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.engine.core_proc", self._addr("in"),
+             self._addr("out"), str(os.getpid()), msgspec.json.encode(args).decode()],
+            stdin=subprocess.DEVNULL, env=_core_env())
         self._thread = threading.Thread(target=self._run, name="kvflow-core-output", daemon=True)
 
     def _addr(self, name: str) -> str:
@@ -162,13 +174,11 @@ class MPClient:
     def wait_ready(self) -> Ready:
         """Block until the core has loaded the model; its load error is raised here."""
         while not self._out.poll(100):
-            if not self.proc.is_alive():
-                self.close()
-                raise EngineCoreDied(f"the engine core exited with code {self.proc.exitcode} "
+            if self.proc.poll() is not None:
+                raise EngineCoreDied(f"the engine core exited with code {self.proc.returncode} "
                                      f"while loading")
         msg = self._dec.decode(self._out.recv())
         if isinstance(msg, EngineDead):
-            self.close()
             raise EngineCoreDied(f"the engine core failed to load: {msg.error}")
         assert isinstance(msg, Ready), msg
         return msg
@@ -177,12 +187,12 @@ class MPClient:
         self._thread.start()
 
     def is_alive(self) -> bool:
-        return not self._dead and self.proc.is_alive()
+        return not self._dead and self.proc.poll() is None
 
     def _send(self, msg) -> None:
         data = self._enc.encode(msg)
         with self._send_lock:
-            if self._stopping:
+            if self._stopping or self._ctx.closed:
                 return
             try:    # no high-water mark: Again only when the core's end is gone (it died)
                 self._in.send(data, zmq.NOBLOCK, copy=False)
@@ -206,30 +216,31 @@ class MPClient:
         self._send(Shutdown())
         with self._send_lock:
             self._stopping = True
-        self.proc.join(timeout)
-        if self.proc.is_alive():
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join(5)
+            self.proc.wait(5)
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.close()
 
     def close(self) -> None:
         """Sockets and the socket directory go; nothing stays behind in /tmp."""
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and not self._ctx.closed:
             self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _run(self) -> None:
         try:
-            while not self._stopping or self.proc.is_alive():
+            while not self._stopping or self.proc.poll() is None:
                 if self._out.poll(100):
                     if not self._dispatch(self._dec.decode(self._out.recv())):
                         break
-                elif not self.proc.is_alive():
+                elif self.proc.poll() is not None:
                     if not self._stopping:
                         raise EngineCoreDied(f"the engine core process exited with code "
-                                             f"{self.proc.exitcode}")
+                                             f"{self.proc.returncode}")
                     break
         except BaseException as e:
             self._die(e)

@@ -1,6 +1,6 @@
 """The engine core's process: load the model, then loop receiving requests, stepping, sending.
 
-Started by MPClient (spawn). It exits when told to (Shutdown), when its parent process is gone
+Started by MPClient as `python -m kvflow.engine.core_proc IN_ADDR OUT_ADDR PARENT_PID ARGS_JSON`. It exits when told to (Shutdown), when its parent process is gone
 (checked every step and every second when idle: no orphan outlives the server), or on an error,
 after telling the frontend (EngineDead) and with exit code 1.
 """
@@ -19,7 +19,7 @@ from kvflow.engine.messages import (AbortRequests, AddRequests, CoreInput, Engin
                                     UtilityCall, UtilityResult)
 
 
-def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) -> None:
+def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the frontend's to handle
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -45,7 +45,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: i
         code = 1
     finally:
         ctx.destroy(linger=1000)
-    sys.exit(code)
+    return code
 
 
 def _loop(core, inp: zmq.Socket, out: zmq.Socket, enc, parent_pid: int) -> None:
@@ -100,3 +100,9 @@ def _send(out: zmq.Socket, data: bytes) -> None:
         out.send(data, zmq.NOBLOCK, copy=False)
     except zmq.Again:
         raise _FrontendGone from None
+
+
+if __name__ == "__main__":
+    in_addr, out_addr, ppid, args_json = sys.argv[1:5]
+    sys.exit(run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr, out_addr,
+                             int(ppid)))
