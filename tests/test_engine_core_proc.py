@@ -147,11 +147,31 @@ def test_shutdown_leaves_no_process_and_no_socket_file(tiny_llama):
     assert a.client.proc.returncode == 0          # it was told to stop, it did not crash
 
 
-def test_a_load_error_in_the_core_is_raised_by_the_frontend(tmp_path):
-    with pytest.raises(Exception, match="config|model|No such|not"):
-        AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path), **ENGINE), multiprocess=True)
-    assert not [p for p in os.listdir("/tmp") if p.startswith("kvflow-core-")
-                and not os.listdir(os.path.join("/tmp", p))]
+def test_a_load_error_in_the_core_is_raised_by_the_frontend(tiny_llama):
+    """Bad arguments only the loaded model can judge stay a ValueError naming them; the core
+    process is gone and its socket directory with it."""
+    args = EngineArgs(model=tiny_llama, **{**ENGINE, "max_model_len": 1 << 20})
+    before = {p for p in os.listdir("/tmp") if p.startswith("kvflow-core-")}
+    with pytest.raises(ValueError, match="max_model_len=1048576 exceeds"):
+        AsyncLLM.from_engine_args(args, multiprocess=True)
+    assert {p for p in os.listdir("/tmp") if p.startswith("kvflow-core-")} == before
+
+
+def test_a_core_that_dies_while_loading_is_an_error_not_a_hang(tiny_llama, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('KVFLOW_TEST_DIE'):\n    os._exit(3)\n")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + sys.path)
+    os.environ["KVFLOW_TEST_DIE"] = "1"
+    try:
+        with pytest.raises(EngineCoreDied, match="exited with code 3 while loading"):
+            AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, **ENGINE), multiprocess=True)
+    finally:
+        del os.environ["KVFLOW_TEST_DIE"]
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 _ORPHAN = """

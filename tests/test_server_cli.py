@@ -195,3 +195,43 @@ def test_kvflow_serve_exits_non_zero_when_the_engine_step_fails(tiny_llama, tmp_
             proc.communicate()
     assert proc.returncode == 1, out
     assert "step boom" in out and "exiting" in out
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_kvflow_serve_exits_non_zero_when_its_engine_core_process_is_killed(tiny_llama):
+    """The engine core runs in a child process: a SIGKILL there (the OOM killer, say) fails the
+    in-flight request, and the server exits 1 rather than answer 503 forever."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--model", tiny_llama, "--port",
+           str(port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "256",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, url)
+        (core,) = _children(proc.pid)
+
+        async def stream_then_kill():
+            body = {"prompt": "The cat", "max_tokens": 250, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            if not lines:
+                                os.kill(core, signal.SIGKILL)
+                            lines.append(line[6:])
+                    return lines
+        events = asyncio.run(stream_then_kill())
+        out, _ = proc.communicate(timeout=60)       # it exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+    assert proc.returncode == 1, out
+    assert "exited with code -9" in out

@@ -178,6 +178,8 @@ class MPClient:
                 raise EngineCoreDied(f"the engine core exited with code {self.proc.returncode} "
                                      f"while loading")
         msg = self._dec.decode(self._out.recv())
+        if isinstance(msg, EngineDead) and msg.is_value_error:
+            raise ValueError(msg.error.removeprefix("ValueError: "))
         if isinstance(msg, EngineDead):
             raise EngineCoreDied(f"the engine core failed to load: {msg.error}")
         assert isinstance(msg, Ready), msg

@@ -39,7 +39,8 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: i
     except BaseException as e:
         traceback.print_exc()
         try:
-            _send(out, enc.encode(EngineDead(f"{type(e).__name__}: {e}")))
+            dead = EngineDead(f"{type(e).__name__}: {e}", isinstance(e, ValueError))
+            _send(out, enc.encode(dead))
         except _FrontendGone:
             pass
         code = 1

@@ -78,6 +78,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
 class EngineDead(msgspec.Struct, tag=True, array_like=True, gc=False):
     """The core's last message when it stops on an error (loading, or a failed step)."""
     error: str
+    is_value_error: bool = False    # bad arguments (e.g. max_model_len): raised as ValueError
 
 
 CoreOutput = EngineCoreOutputs | UtilityResult | Ready | EngineDead
