@@ -16,6 +16,14 @@ def test_the_engine_core_messages_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_serving_frontend_does_not_import_torch():
+    """`kvflow serve`'s own process (HTTP, tokenizer, detokenizer) leaves torch to the engine
+    core's process: it starts faster and holds no second copy of torch."""
+    code = ("import sys, kvflow.server.api_server, kvflow.engine.async_llm, kvflow.model.checkpoint; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_lazy_top_level_names_resolve():
     import kvflow
     from kvflow.engine import LLM

