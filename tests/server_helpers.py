@@ -42,15 +42,15 @@ def running_server(model_dir: str, api_key: str | None = None, name: str = "tiny
         torch.set_num_threads(threads)
 
 
-# Every engine step 20 ms longer, in whichever process the core runs.
-SLOW_CORE_STEPS = """import time
-from kvflow.engine.core import EngineCore
-step = EngineCore.step
-def slow(self):
-    time.sleep(0.02)
-    return step(self)
-EngineCore.step = slow
-"""
+def slow_core_steps(delay: float) -> str:
+    """A core_patch (or sitecustomize): every engine step `delay` s longer, in whichever
+    process the engine core runs."""
+    return (f"import time\nfrom kvflow.engine.core import EngineCore\nstep = EngineCore.step\n"
+            f"def slow(self):\n    time.sleep({delay})\n    return step(self)\n"
+            f"EngineCore.step = slow\n")
+
+
+SLOW_CORE_STEPS = slow_core_steps(0.02)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import openai
 
 from kvflow.cli import build_parser
 from kvflow.server.cli import DEFAULT_SERVED_NAME, served_name
+from server_helpers import slow_core_steps
 
 
 def _free_port() -> int:
@@ -76,14 +77,7 @@ def test_kvflow_serve_subprocess(tiny_llama):
 
 # `kvflow serve` as shipped, with EngineCore.step patched in every Python process it starts (a
 # sitecustomize on PYTHONPATH): the engine core runs in a process of its own.
-SLOW_STEP = """import time
-from kvflow.engine.core import EngineCore
-step = EngineCore.step
-def slow(self):
-    time.sleep(0.05)
-    return step(self)
-EngineCore.step = slow
-"""
+SLOW_STEP = slow_core_steps(0.05)
 FAILING_STEP = """from kvflow.engine.core import EngineCore
 def step(self):
     raise RuntimeError("step boom")
