@@ -72,6 +72,20 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Number | None = None
     logprobs: Any = None
     best_of: Int | None = None
+    # vLLM's and OpenAI's fields that change the output; kvflow does not implement them yet, so
+    # they are declared (not dropped as unknown) and refused unless neutral (UNSUPPORTED).
+    logit_bias: Any = None
+    min_p: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
+    top_logprobs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -90,9 +104,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int | None = None
     add_generation_prompt: StrictBool = True
-    top_logprobs: Int | None = None
     tools: Any = None
-    response_format: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 class TokenizeRequest(BaseModel):
@@ -120,6 +135,16 @@ class ErrorInfo(BaseModel):
 class ErrorResponse(BaseModel):
     """Every 4xx/5xx body (declared in the OpenAPI document)."""
     error: ErrorInfo
+
+
+# Field -> the values that ask for nothing (None always does); anything else is a 400.
+UNSUPPORTED = {
+    "logit_bias": ({},), "min_p": (0, 0.0), "bad_words": ([],), "allowed_token_ids": (),
+    "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "response_format": ({"type": "text"},),
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",),
+}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -19,7 +19,9 @@ import jinja2
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.engine.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, short_repr
-from kvflow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, usage
+from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
+                                     CompletionRequest, usage)
+
 
 class SSEStream:
     """A streamed answer: the SSE text chunks, and the requests to abort if nobody reads them."""
@@ -68,6 +70,10 @@ class OpenAIServing:
             v = getattr(req, name)
             if v is not None and v != neutral:
                 raise ApiError(400, f"{name} is not supported (only {neutral})", name)
+        for name, neutral in UNSUPPORTED.items():
+            v = getattr(req, name, None)
+            if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
+                raise ApiError(400, f"{name} is not supported by kvflow yet", name)
 
     def _sampling_params(self, req, max_tokens: int | None, default_max: int | None,
                          prompt_lens: list[int], what: str) -> SamplingParams:
@@ -160,10 +166,6 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest):
         self.check_model(req.model)
         self._check_unsupported(req)
-        if req.tools:
-            raise ApiError(400, "tools are not supported", "tools")
-        if req.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format is not supported", "response_format")
         text, ids = await asyncio.to_thread(self.render_chat, req.messages,
                                             req.add_generation_prompt)     # off the loop
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
