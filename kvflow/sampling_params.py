@@ -60,10 +60,7 @@ class SamplingParams:
                              f"got {short_repr(self.top_k)}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed is not None and (not _is_int(self.seed)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, "
-                             f"got {short_repr(self.seed)}")
+        self.check_seed()
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 (or None), "
                              f"got {short_repr(self.max_tokens)}")
@@ -98,6 +95,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, "
                              f"got {short_repr(bad[0])} in it")
         self.stop_token_ids = list(self.stop_token_ids)
+
+    def check_seed(self) -> None:
+        """Also called by the frontend: a seed set after construction must not reach torch."""
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, "
+                             f"got {short_repr(self.seed)}")
 
     @property
     def greedy(self) -> bool:

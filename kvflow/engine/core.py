@@ -44,7 +44,8 @@ class EngineCore:
         self.load_time = time.perf_counter() - t0
 
     def ready_message(self) -> Ready:
-        return Ready(self.model_config, self.scheduler_config, str(self.dtype).replace("torch.", ""), self.device, self.attention_backend,
+        return Ready(self.model_config, self.scheduler_config,
+                     str(self.dtype).replace("torch.", ""), self.device, self.attention_backend,
                      self.load_time)
 
     # ---- requests -----------------------------------------------------------------------

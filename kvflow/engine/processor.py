@@ -18,7 +18,7 @@ from kvflow.engine.messages import EngineCoreRequest
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.tokenizer import Tokenizer
 from kvflow.model.config import ModelConfig
-from kvflow.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, short_repr
+from kvflow.sampling_params import SamplingParams, short_repr
 
 
 class InputProcessor:
@@ -51,8 +51,7 @@ class InputProcessor:
         if bad is not None:     # the sampler masks them below min_tokens: they must index logits
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
                              f"got {short_repr(bad)}")
-        if sp.seed is not None and not SEED_MIN <= sp.seed <= SEED_MAX:     # a mutated sp
-            raise ValueError(f"seed {short_repr(sp.seed)} cannot seed a torch.Generator")
+        sp.check_seed()     # again: sp may have been changed since it was built
         max_tokens = sp.max_tokens if sp.max_tokens is not None else 1 << 62
         check_new_request(self.scheduler_config, request_id, len(ids), max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
