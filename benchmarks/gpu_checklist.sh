@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checklist of BENCHMARKS.md ("GPU"), in one script: the machine, the kernel and engine
 # tests on the GPU, a smoke run of the default model, and nano-vllm's workload.
-#   bash benchmarks/gpu_checklist.sh OUTDIR [tests|smoke|nano|nano-eager|all]...
+#   bash benchmarks/gpu_checklist.sh OUTDIR [tests|smoke|serve|nano|nano-eager|all]...
 # Each step writes OUTDIR/<step>.log (and nano_gpu*.json); a failing step does not stop the rest.
 set -uo pipefail
 out=${1:?usage: gpu_checklist.sh OUTDIR [STEP...]}; shift
@@ -27,6 +27,7 @@ want tests && step tests 420 $PY -m pytest -q -p no:cacheprovider -rs \
     tests/test_gpu.py tests/test_device_args.py
 want smoke && step smoke 180 $PY -m kvflow.cli generate --device cuda --max-tokens 32 \
     "The capital of France is"
+want serve && step serve 300 $PY benchmarks/gpu_serve_smoke.py
 want nano && step nano 560 $PY benchmarks/nano_bench.py --device cuda --roofline \
     ${NANO_HF:+--hf} --json "$out/nano_gpu.json"
 want nano-eager && step nano-eager 400 $PY benchmarks/nano_bench.py --device cuda \
