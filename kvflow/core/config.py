@@ -11,6 +11,62 @@ def _pos_int(name: str, v) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, n-gram (prompt lookup) method only. Each running request gets
+    up to num_speculative_tokens drafts a step, found by matching the last prompt_lookup_max ..
+    prompt_lookup_min tokens earlier in its own prompt and output. As the batch grows the
+    drafts shrink (see num_drafts_for), and past disable_by_batch_size running requests there
+    are none."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # A step verifies at most this many tokens (decodes plus drafts) before drafts shrink:
+    # past it a CPU step stops being bound by reading the weights (BENCHMARKS.md, issue 14).
+    max_batch_tokens: int = 16
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "max_batch_tokens"):
+            _pos_int(f"speculative_config {name}", getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None:
+            _pos_int("speculative_config disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's dict shape; unknown keys are an error naming them, not ignored."""
+        if d is None or isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unsupported keys {unknown} "
+                             f"(kvflow takes {sorted(known)})")
+        return cls(**d)
+
+    def num_drafts_for(self, num_running: int) -> int:
+        """Drafts per request in a step with num_running decodes: all of k while the step
+        verifies at most max_batch_tokens tokens, then fewer, down to none."""
+        if num_running < 1 or (self.disable_by_batch_size is not None
+                               and num_running >= self.disable_by_batch_size):
+            return 0
+        return max(0, min(self.num_speculative_tokens,
+                          self.max_batch_tokens // num_running - 1))
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     block_size: int = 16
@@ -24,6 +80,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     watermark: float = 0.0              # fraction of num_blocks kept back from new admissions
     reserve_full_sequence: bool = True  # admission needs blocks for the whole current sequence
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
@@ -37,6 +94,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                 SpeculativeConfig):
+            raise ValueError("speculative_config must be a SpeculativeConfig or None")
         w = self.watermark
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0.0 <= w < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {w!r}")

@@ -66,6 +66,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Draft tokens to verify, by request: its scheduled tokens end with them (vLLM's name).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -98,6 +100,29 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counts (vLLM's vllm:spec_decode_* metrics)."""
+    num_drafts: int = 0                 # requests verified with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafted:
+            per_pos.extend([0] * (num_drafted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -105,3 +130,4 @@ class SchedulerStats:
     prefix_cache_queries: int = 0       # cumulative, in tokens
     prefix_cache_hits: int = 0          # cumulative, in tokens
     num_preemptions: int = 0            # cumulative
+    spec_decoding: SpecDecodingStats | None = None     # cumulative; None without speculation

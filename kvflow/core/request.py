@@ -41,7 +41,7 @@ class Request:
                  "arrival_time", "priority", "status", "output_token_ids", "all_token_ids",
                  "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "num_preemptions", "stop_reason", "block_hashes", "max_tokens", "min_tokens",
-                 "stop_eos", "stop_token_set", "seq_no")
+                 "stop_eos", "stop_token_set", "seq_no", "spec_token_ids", "ngram_index")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *, eos_token_id: int | None = None,
@@ -79,6 +79,10 @@ class Request:
         self.stop_eos = None if sp.ignore_eos else eos_token_id
         self.stop_token_set = frozenset(sp.stop_token_ids) or None
         self.seq_no = 0     # insertion order, set by the scheduler; breaks priority ties
+        # Draft tokens proposed after the last step, verified in the next; never part of
+        # all_token_ids (so never hashed into the prefix cache).
+        self.spec_token_ids: list[int] = []
+        self.ngram_index = None     # the n-gram proposer's per-request index, built lazily
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
-                                 SchedulerOutput, SchedulerStats)
+                                 SchedulerOutput, SchedulerStats, SpecDecodingStats)
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.request_queue import create_request_queue
 
@@ -41,6 +41,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,6 +87,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 
@@ -107,15 +109,18 @@ class Scheduler:
         new_ids: list[str] = []
         resumed_ids: list[str] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
-        # 1. Running requests, in order: decodes ask for 1 token, partial prefills for the rest.
-        # A request alone in the system is not capped: chunking it would only add steps.
+        # 1. Running requests, in order: decodes ask for 1 token (plus their draft tokens),
+        # partial prefills for the rest. A request alone in the system is not capped: chunking
+        # it would only add steps. Drafts that do not fit are cut.
         alone = len(running) == 1 and not self.waiting
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = len(req.all_token_ids) - computed
+            num_tokens = len(req.all_token_ids)
+            n = num_tokens + len(req.spec_token_ids) - computed
             if 0 < threshold < n and not alone:
                 n = threshold
             if n > budget:
@@ -133,6 +138,7 @@ class Scheduler:
                     budget += undone
                     victim.num_computed_tokens -= undone
                     del block_ids[victim.request_id]
+                    spec_tokens.pop(victim.request_id, None)
                     k = sched_running_ids.index(victim.request_id)
                     del sched_running_ids[k], sched_computed[k]
                     kvm.uncache_uncomputed(victim)
@@ -153,6 +159,10 @@ class Scheduler:
             sched_running_ids.append(rid)
             sched_computed.append(computed)
             req.num_computed_tokens = computed + n
+            if req.spec_token_ids:
+                if computed + n > num_tokens:
+                    spec_tokens[rid] = req.spec_token_ids[:computed + n - num_tokens]
+                req.spec_token_ids = []     # verified now or never: the next step proposes anew
             budget -= n
             i += 1
         cached = CachedRequestData(    # before admission: its allocations are not new blocks
@@ -174,6 +184,7 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
             block_ids=block_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return out
@@ -227,8 +238,12 @@ class Scheduler:
     # ---- results of the step -----------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop rules, free finished requests' blocks."""
+        """Append sampled tokens, apply stop rules, free finished requests' blocks.
+
+        A request verified with drafts gets its accepted drafts plus one token; its
+        num_computed_tokens steps back over the rejected ones (their KV is overwritten later)."""
         requests = self.requests
+        spec = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
         outputs: list[EngineCoreOutput] = []
         num_finished = 0
@@ -242,6 +257,11 @@ class Scheduler:
             all_ids = req.all_token_ids
             if req.num_computed_tokens < len(all_ids):
                 continue                # a prefill chunk short of the end samples nothing
+            drafts = spec.get(rid)
+            if drafts:
+                num_rejected = len(drafts) + 1 - len(toks)
+                req.num_computed_tokens -= num_rejected
+                self.spec_stats.observe(len(drafts), len(toks) - 1)
             out_ids = req.output_token_ids
             status = None
             for k, t in enumerate(toks):
@@ -272,6 +292,15 @@ class Scheduler:
             self.running[:] = [r for r in self.running if r.status == _RUNNING]
         return outputs
 
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """Drafts to verify in the next step (a proposer's, after update_from_output); requests
+        not running are skipped."""
+        requests = self.requests
+        for rid, toks in drafts.items():
+            req = requests.get(rid)
+            if req is not None and req.status == _RUNNING:
+                req.spec_token_ids = list(toks)
+
     # ---- introspection -------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -290,6 +319,8 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=(self.spec_stats.copy() if self.config.speculative_config is not None
+                           or self.spec_stats.num_drafts else None),
         )
 
 

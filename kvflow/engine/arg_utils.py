@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, field
 
+from kvflow.core.config import SpeculativeConfig
 from kvflow.model.backends import check_attention_backend, check_device
 from kvflow.sampling_params import short_repr
 
@@ -48,6 +50,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "cuda: share of GPU memory for weights, activations and the KV cache")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly (no CUDA graphs)")
+    speculative_config: dict | None = _arg(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
 
     def __post_init__(self) -> None:
         # Checked here, before any work, so each error names the argument the user gave.
@@ -67,8 +72,12 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        self.speculative_config_obj()      # its errors name the key at fault
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path, got {type(self.model).__name__}")
+
+    def speculative_config_obj(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -83,6 +92,8 @@ class EngineArgs:
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
                 continue
             base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            if base is dict:
+                base = _json_dict
             g.add_argument(flag, type=base, choices=f.metadata["choices"], **kw)
 
     @classmethod
@@ -95,6 +106,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of a parsed command line, less the model (given as LLM's first argument)."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
             if f.name != "model"}
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return d
 
 
 def _check_int(name: str, v, lo: int) -> None:

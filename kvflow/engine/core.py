@@ -13,6 +13,7 @@ import torch
 
 from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
 from kvflow.core.outputs import EngineCoreOutput
+from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
 from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
@@ -38,6 +39,8 @@ class EngineCore:
         self.model_config, self.dtype = cfg, dtype
         self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
         self.scheduler = Scheduler(self.scheduler_config)
+        spec = self.scheduler_config.speculative_config
+        self.proposer = NgramProposer(spec, self.scheduler_config.max_model_len) if spec else None
         self.runner = _make_runner(args, model, cfg, dtype, backend, device,
                                    self.scheduler_config)
         self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
@@ -86,6 +89,8 @@ class EngineCore:
         finished = [o.request_id for o in outs if o.finish_reason is not None]
         if finished:
             self.runner.release(finished)
+        if self.proposer is not None:
+            sched.update_draft_token_ids(self.proposer.propose(sched.running, len(sched.running)))
         outputs += outs
         return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic(), new_ids,
                                  num_prompt)
@@ -140,7 +145,7 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
-        watermark=args.watermark)
+        watermark=args.watermark, speculative_config=args.speculative_config_obj())
 
 
 def _make_runner(args: EngineArgs, model, cfg, dtype, backend, device: str,

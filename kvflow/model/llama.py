@@ -6,6 +6,7 @@ prefill chunk never pays for the LM head on tokens nobody samples.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +15,9 @@ from torch import nn
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
 from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
+
+# 0: the LM head is always x @ W.T (the plain path; tests force it to cover it on any CPU)
+_LM_HEAD_WX = os.environ.get("KVFLOW_LM_HEAD_WX", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -92,7 +96,13 @@ class LlamaForCausalLM(nn.Module):
         head = self.__dict__.get("lm_linear")     # the loader's packed or float32 head
         if head is not None:
             return linear(hidden, head)
-        return torch.nn.functional.linear(hidden, self.lm_weight())
+        w = self.lm_weight()
+        if _LM_HEAD_WX and 1 < hidden.shape[0] <= 256 and w.dtype == torch.float32 \
+                and not w.is_cuda:
+            # W @ x.T, not x @ W.T: MKL's float32 GEMM with a few rows of x runs 2-3x slower
+            # than the same product with the vocabulary as the long side (BENCHMARKS.md, issue 14).
+            return torch.mm(w, hidden.t()).t().contiguous()
+        return torch.nn.functional.linear(hidden, w)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

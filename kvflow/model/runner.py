@@ -65,10 +65,12 @@ class CachedRequestState:
                    len(nr.prompt_token_ids), sp, list(nr.block_ids), nr.num_computed_tokens,
                    sorted(banned) or None)
 
-    def banned(self) -> list[int] | None:
+    def banned(self, ahead: int = 0) -> list[int] | None:
         """Below min_tokens, EOS and the stop token ids may not be sampled at all (vLLM's
-        MinTokensLogitsProcessor); the scheduler only declines to stop on them."""
-        if len(self.token_ids) - self.num_prompt_tokens >= self.sampling_params.min_tokens:
+        MinTokensLogitsProcessor); the scheduler only declines to stop on them. ahead: the
+        token `ahead` places after the next one (a row verifying drafts)."""
+        n_out = len(self.token_ids) - self.num_prompt_tokens + ahead
+        if n_out >= self.sampling_params.min_tokens:
             return None
         return self.min_tokens_banned
 
@@ -84,6 +86,10 @@ class StepInputs:
     num_decodes: int
     logits_rows: list[int]              # rows whose logits are sampled
     sample_reqs: list[CachedRequestState]
+    drafts: list[list[int]]             # per sample_req: the draft tokens it verifies
+
+
+_NONE: list[int] = []     # no drafts (shared, never mutated)
 
 
 class ModelRunner:
@@ -194,20 +200,28 @@ class ModelRunner:
 
     def gather_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's flat inputs as Python lists, decodes (one query token) first: the attention
-        backend batches them as one group. Call update_states(so) first."""
+        backend batches them as one group. A request verifying drafts joins them as one decode
+        row per token, each row's context ending at its own position (the attention is causal
+        that way, through the decode kernels). Call update_states(so) first."""
         bs = self.block_size
+        spec = so.scheduled_spec_decode_tokens
         items = so.num_scheduled_tokens.items()
-        order = [rid for rid, n in items if n == 1] + [rid for rid, n in items if n != 1]
-        st = StepInputs([], [], [], [0], [], [], sum(1 for _, n in items if n == 1), [], [])
+        order = [rid for rid, n in items if n == 1 or rid in spec]
+        num_decodes = len(order) + sum(len(d) for d in spec.values())
+        order += [rid for rid, n in items if n != 1 and rid not in spec]
+        st = StepInputs([], [], [], [0], [], [], num_decodes, [], [], [])
         input_ids, positions, slots, qsl = st.input_ids, st.positions, st.slots, st.query_start_loc
-        reqs = self.requests
+        seq_lens, tables, reqs = st.seq_lens, st.tables, self.requests
         for rid in order:
             req = reqs[rid]
             n = so.num_scheduled_tokens[rid]
             start = req.num_computed_tokens
             req.num_computed_tokens = end = start + n
             table = req.block_ids
-            if len(table) * bs < end or end > len(req.token_ids):
+            drafts = spec.get(rid, _NONE)
+            num_tokens = len(req.token_ids)
+            if len(table) * bs < end or end > num_tokens + len(drafts) or (
+                    drafts and end != num_tokens + len(drafts)):
                 raise RuntimeError(f"request {rid!r}: the runner's state ({len(table)} blocks, "
                                    f"{len(req.token_ids)} tokens) cannot run tokens "
                                    f"[{start}, {end}): a SchedulerOutput was lost")
@@ -215,17 +229,30 @@ class ModelRunner:
                 input_ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+                qsl.append(qsl[-1] + 1)
+                seq_lens.append(end)
+                tables.append(table)
+            elif drafts:
+                input_ids.extend(req.token_ids[start:])
+                input_ids.extend(drafts)
+                for p in range(start, end):
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                    qsl.append(qsl[-1] + 1)
+                    seq_lens.append(p + 1)
+                    tables.append(table)
             else:
                 input_ids.extend(req.token_ids[start:end])
                 pos = range(start, end)
                 positions.extend(pos)
                 slots.extend([table[p // bs] * bs + p % bs for p in pos])
-            qsl.append(qsl[-1] + n)
-            st.seq_lens.append(end)
-            st.tables.append(table)
-            if end == len(req.token_ids):
-                st.logits_rows.append(qsl[-1] - 1)
+                qsl.append(qsl[-1] + n)
+                seq_lens.append(end)
+                tables.append(table)
+            if end == num_tokens + len(drafts):
+                st.logits_rows.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
                 st.sample_reqs.append(req)
+                st.drafts.append(drafts)
         return st
 
     @torch.inference_mode()
@@ -239,7 +266,41 @@ class ModelRunner:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        return self.sample(self.model.compute_logits(hidden), st.sample_reqs)
+        logits = self.model.compute_logits(hidden)
+        if any(st.drafts):
+            return self.verify(logits, st.sample_reqs, st.drafts)
+        return self.sample(logits, st.sample_reqs)
+
+    def verify(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+               drafts: list[list[int]]) -> dict[str, list[int]]:
+        """sample() for a step with draft tokens: each request gets its accepted drafts plus
+        one token. As in sample(), a failing batch is retried request by request."""
+        try:
+            results = self._verify(logits, reqs, drafts)
+        except Exception:
+            results, errors, o = [], {}, 0
+            for r, d in zip(reqs, drafts):
+                try:
+                    results.append(self._verify(logits[o:o + len(d) + 1], [r], [d])[0])
+                except Exception as e:
+                    errors[r.req_id] = e
+                    results.append(None)
+                o += len(d) + 1
+            if len(errors) == len(reqs) > 1:
+                raise next(iter(errors.values())) from None
+            self.failed.update(errors)
+        out = {}
+        for r, toks in zip(reqs, results):
+            if toks is not None:
+                r.token_ids.extend(toks)
+                out[r.req_id] = toks
+        return out
+
+    def _verify(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                drafts: list[list[int]]) -> list[list[int]]:
+        banned = [r.banned(j) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
+        return self.sampler.verify(logits, [r.sampling_params for r in reqs],
+                                   [self._generator(r) for r in reqs], drafts, banned)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without

@@ -45,18 +45,71 @@ class Sampler:
             return self._greedy(logits).tolist()
         logits = logits.float()
         n = logits.shape[0]
+        probs = self._probs(logits, params)
+        sampled = _argmax(probs / self._noise(probs, generators))
+        if any(greedy):
+            sampled = torch.where(self._up(greedy, torch.bool), _argmax(logits), sampled)
+        assert sampled.shape[0] == n
+        return sampled.tolist()
+
+    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k and top-p."""
         temps = self._up([1.0 if p.greedy else p.temperature for p in params], torch.float32)
         x = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             x = _apply_top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(dim=-1)
-        sampled = _argmax(probs / self._noise(probs, generators))
-        if any(greedy):
-            sampled = torch.where(self._up(greedy, torch.bool), _argmax(logits), sampled)
-        assert sampled.shape[0] == n
-        return sampled.tolist()
+        return x.softmax(dim=-1)
+
+    def verify(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None], drafts: list[list[int]],
+               banned: list[list[int] | None] | None = None) -> list[list[int]]:
+        """Check draft tokens against the model: request i owns len(drafts[i]) + 1 consecutive
+        logits rows (the rows before each draft, then the bonus row) and gets back its accepted
+        drafts plus one token. Greedy rows accept a draft that is the argmax. Sampled rows use
+        rejection sampling for a one-hot draft distribution: draft d is accepted with
+        probability p(d), else the token is drawn from p with d removed, so every token is
+        distributed exactly as without drafts. banned is per row."""
+        counts = [len(d) + 1 for d in drafts]
+        rows = [p for p, c in zip(params, counts) for _ in range(c)]
+        if banned is not None and any(banned):
+            logits = ban_tokens(logits, banned)
+        if all(p.greedy for p in params):
+            return _accept(drafts, counts, self._greedy(logits).tolist(), None)
+        logits = logits.float()
+        probs = self._probs(logits, rows)
+        flat = [t for d in drafts for t in (*d, -1)]
+        draft_rows = [i for i, t in enumerate(flat) if t >= 0]
+        draft_toks = [flat[i] for i in draft_rows]
+        r, t = self._up(draft_rows, torch.long), self._up(draft_toks, torch.long)
+        p_draft = torch.zeros(len(flat), device=probs.device)
+        p_draft[r] = probs[r, t]
+        probs[r, t] = 0.0       # the residual: drawn from only where the draft was rejected
+        row_gens = [g for g, c in zip(generators, counts) for _ in range(c)]
+        sampled = _argmax(probs / self._noise(probs, row_gens))
+        greedy_rows = [p.greedy for p in rows]
+        if any(greedy_rows):
+            sampled = torch.where(self._up(greedy_rows, torch.bool), _argmax(logits), sampled)
+        # A greedy row accepts a draft iff it is the argmax: p = 1 then, 0 otherwise.
+        accept_p = p_draft.tolist()
+        sampled = sampled.tolist()
+        for i, g in enumerate(greedy_rows):
+            if g:
+                accept_p[i] = 1.0 if flat[i] == sampled[i] else 0.0
+        u = self._uniforms(counts, generators, probs.device)
+        return _accept(drafts, counts, sampled, [a > x for a, x in zip(accept_p, u)])
+
+    def _uniforms(self, counts: list[int], generators: list[torch.Generator | None],
+                  device: torch.device) -> list[float]:
+        """One U[0, 1) draw per row; a seeded request's from its own generator."""
+        out = torch.rand(sum(counts), device=device, generator=self.generator).tolist()
+        o = 0
+        for c, g in zip(counts, generators):
+            if g is not None:
+                out[o:o + c] = torch.rand(c, generator=g).tolist()
+            o += c
+        return out
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if (self._argmax_rows is not None and logits.device.type == "cpu" and logits.dim() == 2
@@ -83,6 +136,24 @@ class Sampler:
             if g is not None:
                 q[i].exponential_(generator=g)
         return q
+
+
+def _accept(drafts: list[list[int]], counts: list[int], sampled: list[int],
+            accepted: list[bool] | None) -> list[list[int]]:
+    """Each request's accepted drafts, then the sampled token of the first rejected row (or of
+    the bonus row). accepted None: greedy, a draft is accepted iff it equals the sampled token."""
+    out, o = [], 0
+    for d, c in zip(drafts, counts):
+        toks = []
+        for j, t in enumerate(d):
+            if (t == sampled[o + j]) if accepted is None else accepted[o + j]:
+                toks.append(t)
+            else:
+                break
+        toks.append(sampled[o + len(toks)])
+        out.append(toks)
+        o += c
+    return out
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
