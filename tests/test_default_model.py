@@ -38,3 +38,20 @@ def test_default_model_batch_matches_one_at_a_time():
     batch = [o.outputs[0].token_ids for o in llm.chat(convs, sp, use_tqdm=False)]
     alone = [llm.chat(c, sp, use_tqdm=False)[0].outputs[0].token_ids for c in convs]
     assert batch == alone
+
+
+def test_default_model_greedy_output_with_ngram_speculation_equals_without():
+    """Real n-gram drafts on the real model: asked to repeat a passage, it copies, so drafts are
+    accepted; the tokens must be the same as without speculation."""
+    passage = ("The scheduler plans every step against one token budget. Running requests are "
+               "served first, in order; waiting requests are admitted only in a step that "
+               "preempted nothing. A request whose blocks run out is preempted by recompute: "
+               "its blocks are freed and it goes back to the front of the waiting queue.")
+    conv = [{"role": "user", "content": "Repeat this text exactly:\n\n" + passage}]
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(dtype="float32").chat(conv, sp, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(dtype="float32", speculative_config={"method": "ngram",
+                                                  "num_speculative_tokens": 4})
+    spec = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec == plain
+    assert llm.llm_engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 8
