@@ -266,3 +266,34 @@ def test_seeded_sampling_with_speculation_repeats(tiny_llama):
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert a == b and all(len(t) == 24 for t in a)
     assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+
+
+# ---- server ------------------------------------------------------------------------------
+def test_serve_takes_speculative_config_as_json():
+    from kvflow.cli import build_parser
+    a = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
+    assert EngineArgs.from_cli_args(a).speculative_config_obj().num_speculative_tokens == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "{ngram"])
+
+
+def test_served_streams_with_speculation_and_vllms_spec_metrics(tiny_llama):
+    import openai
+    from server_helpers import metric, metrics, running_server
+    spec = {**NGRAM, "prompt_lookup_min": 1}
+    with running_server(tiny_llama, multiprocess=True, speculative_config=spec) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        prompt = prompts_for_tests()[0]
+        plain = client.completions.create(model=s.name, prompt=prompt, max_tokens=32,
+                                          temperature=0).choices[0].text
+        stream = client.completions.create(model=s.name, prompt=prompt, max_tokens=32,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == plain
+        m = metrics(s.url)
+    drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = metric(m, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(v for (name, _), v in m.items()
+                  if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and draft_tokens >= drafts and accepted <= draft_tokens
+    assert per_pos == accepted

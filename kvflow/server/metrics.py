@@ -17,13 +17,16 @@ engine thread once per iteration (prometheus_client metrics are thread-safe). Wh
   tokens for a request, the time since its previous such step), e2e latency, queue time
   (arrival -> start of the first step that scheduled it), prefill/decode/inference time, time per
   output token, prompt and generation lengths. Aborted requests are left out of the latency
-  histograms, as in vLLM.
+  histograms, as in vLLM;
+- with speculative decoding: vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
+  vllm:spec_decode_num_accepted_tokens and vllm:spec_decode_num_accepted_tokens_per_pos{position}.
 """
 from __future__ import annotations
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvflow.core.outputs import SpecDecodingStats
 from kvflow.engine.async_llm import IterationStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -87,6 +90,32 @@ class PrometheusStatLogger:
         self.req_gen = hist("vllm:request_generation_tokens", "Output length per request.",
                             TOKEN_BUCKETS)
         self._last = (0, 0, 0)      # cumulative scheduler counters seen so far
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Requests verified with draft tokens, counted per step.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     L + ["position"], registry=r)
+        self._spec_last = SpecDecodingStats()
+
+    def _record_spec(self, sd: SpecDecodingStats) -> None:
+        last = self._spec_last
+        for c, new, old in ((self.spec_drafts, sd.num_drafts, last.num_drafts),
+                            (self.spec_draft_tokens, sd.num_draft_tokens, last.num_draft_tokens),
+                            (self.spec_accepted, sd.num_accepted_tokens,
+                             last.num_accepted_tokens)):
+            if new > old:
+                c.inc(new - old)
+        old_pos = last.num_accepted_tokens_per_pos
+        for i, new in enumerate(sd.num_accepted_tokens_per_pos):
+            old = old_pos[i] if i < len(old_pos) else 0
+            if new > old:
+                self._spec_per_pos.labels(self.model_name, str(i)).inc(new - old)
+        if sd.num_drafts >= last.num_drafts:
+            self._spec_last = sd
 
     def record(self, s: IterationStats) -> None:
         ss = s.scheduler_stats
@@ -98,6 +127,8 @@ class PrometheusStatLogger:
             if new > old:
                 c.inc(new - old)
         self._last = tuple(max(a, b) for a, b in zip(cur, self._last))
+        if ss.spec_decoding is not None:
+            self._record_spec(ss.spec_decoding)
         if s.num_prompt_tokens:
             self.prompt_tokens.inc(s.num_prompt_tokens)
         if s.num_generation_tokens:
