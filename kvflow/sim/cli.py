@@ -32,6 +32,24 @@ def _csv_strs(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _spec_config(text: str):
+    """--speculative-config JSON -> SpeculativeConfig (the engine's parser, minus its torch)."""
+    from kvflow.core.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _probability(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
@@ -90,6 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--watermark", type=float, default=0.0)
     s.add_argument("--reserve-full-sequence", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--speculative-config", type=_spec_config, metavar="JSON",
+                   help='speculative decoding, e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 4}: synthetic drafts, accepted at random')
+    s.add_argument("--spec-acceptance", type=_probability, default=0.7,
+                   help="probability that a draft token is accepted if all before it were "
+                        "(seeded by --seed; default 0.7)")
 
     o = p.add_argument_group("output")
     o.add_argument("--output", default="sim_out", help="directory for summary.json and plots")

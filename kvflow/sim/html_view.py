@@ -46,9 +46,13 @@ class StepRecorder:
         for rid in sorted(so.preempted_req_ids):
             ev.append(["preempt", f"{rid} preempted: blocks freed, back to the front of waiting, "
                                   f"its KV will be recomputed"])
+        spec = so.scheduled_spec_decode_tokens
         n_dec = sum(1 for rid, n in so.num_scheduled_tokens.items() if n == 1)
         if n_dec:
             ev.append(["decode", f"{n_dec} request(s) decoded one token each"])
+        if spec:
+            ev.append(["decode", f"{len(spec)} request(s) verified "
+                                 f"{sum(map(len, spec.values()))} draft tokens"])
         for o in outs:
             if o.finished:
                 self.finished += 1

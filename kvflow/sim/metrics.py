@@ -80,7 +80,7 @@ def summarize(r: SimResult) -> dict:
         "wall_time_s": r.wall_time,
         "scheduler_config": asdict(c),
     }
-    return summary
+    return summary | r.spec_summary()
 
 
 def meets_slo(summary: dict, p99_itl_s: float, median_queue_s: float = 2.0,
@@ -109,6 +109,9 @@ def format_summary(s: dict) -> str:
                       ("Queueing delay", "queue")):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{s[f'{stat}_{key}_ms']:.2f}"))
+    if "spec_acceptance_rate" in s:
+        rows += [("Draft acceptance rate", f"{s['spec_acceptance_rate']:.1%}"),
+                 ("Mean tokens per verification", f"{s['spec_mean_tokens_per_verification']:.2f}")]
     rows += [("Preemptions", s["num_preemptions"]), ("Steps", s["num_steps"]),
              ("Mean KV usage", f"{s['mean_kv_usage']:.1%}"),
              ("Replay wall time (s)", f"{s['wall_time_s']:.2f}")]

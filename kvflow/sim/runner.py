@@ -61,7 +61,8 @@ def sched_fields(args, shape: ModelShape, gpu: GPUSpec) -> dict:
             "max_model_len": max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
             "enable_chunked_prefill": args.enable_chunked_prefill,
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
-            "watermark": args.watermark, "reserve_full_sequence": args.reserve_full_sequence}
+            "watermark": args.watermark, "reserve_full_sequence": args.reserve_full_sequence,
+            "speculative_config": args.speculative_config}
 
 
 def capacity_variants(args) -> list[Variant]:
@@ -91,12 +92,15 @@ def run(args, shape: ModelShape, gpu: GPUSpec, cost: CostModel, out: Path) -> di
     recorder = StepRecorder(args.trace_steps_max) if args.trace_steps else None
     progress = not args.no_progress
     result = simulate(wl, cost, cfg, args.policy, progress=progress, step_hook=recorder,
-                      include_scheduler_time=args.include_scheduler_time)
+                      include_scheduler_time=args.include_scheduler_time,
+                      spec_acceptance=args.spec_acceptance, spec_seed=args.seed)
     summary = {"simulated": True,
                "note": "latencies come from a roofline cost model driving the real kvflow "
                        "Scheduler; nothing ran on a GPU",
                "model": shape.name, "gpu": gpu.name, "arrival": process,
                "request_rate_arg": args.request_rate, "seed": args.seed}
+    if cfg.speculative_config is not None:
+        summary["spec_acceptance_arg"] = args.spec_acceptance
     summary |= summarize(result)
     summary["cost_model"] = cost.describe()
     files = []
@@ -111,7 +115,8 @@ def run(args, shape: ModelShape, gpu: GPUSpec, cost: CostModel, out: Path) -> di
 
     setup = SweepSetup(base, cost, fields, num_requests=min(args.sweep_requests, len(base)),
                        seed=args.seed, arrival="poisson" if process == "trace" else process,
-                       burstiness=args.burstiness, priority_threshold=args.priority_threshold)
+                       burstiness=args.burstiness, priority_threshold=args.priority_threshold,
+                       spec_acceptance=args.spec_acceptance)
     if "frontier" in plots:
         rate = args.frontier_rate or args.request_rate
         if rate is None:

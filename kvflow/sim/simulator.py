@@ -6,6 +6,14 @@ much, and update_from_output() receives one sampled token per request, stamped w
 end time. When nothing is left to run the clock jumps to the next arrival, so idle time costs
 nothing to simulate. With include_scheduler_time off (the default) the clock depends only on the
 workload, the config and the cost model: replays are bit-for-bit repeatable.
+
+Speculative decoding (config.speculative_config): after each step a synthetic proposer gives
+every decoding request num_drafts_for(len(running)) fake drafts (the n-gram proposer needs real
+token ids), capped like NgramProposer's so that a step never emits past max_tokens or
+max_model_len. Each draft is accepted with probability spec_acceptance if all before it were
+(a seeded generator, so replays stay repeatable); a verified request then receives its accepted
+drafts plus one token. ITL records one gap per step that emitted tokens (vLLM's bench serve
+records one per streamed chunk); TPOT stays per token.
 """
 from __future__ import annotations
 
@@ -18,13 +26,16 @@ import numpy as np
 
 from kvflow import SamplingParams
 from kvflow.core import Request, SchedulerConfig
+from kvflow.core.outputs import SpecDecodingStats
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.policies import make_driver
 from kvflow.sim.workload import Workload, clip_to_model_len
 
 # Any id works: requests stop by max_tokens (the trace's output length) and ignore EOS.
 SAMPLED_TOKEN = 7
-STEP_FIELDS = ("t", "dt", "tokens", "prefill_tokens", "reqs", "kv_usage", "running", "waiting")
+DRAFT_TOKEN = 7
+STEP_FIELDS = ("t", "dt", "tokens", "prefill_tokens", "reqs", "kv_usage", "running", "waiting",
+               "draft_tokens", "accepted_tokens")
 
 
 @dataclass(slots=True)
@@ -45,10 +56,70 @@ class SimResult:
     sim_time: float                 # simulated clock at the end
     wall_time: float                # seconds this replay took on the host
     num_clipped: int = 0
+    spec: SpecDecodingStats | None = None   # cumulative; None without speculation
 
     @property
     def num_steps(self) -> int:
         return len(self.steps["t"])
+
+    def spec_summary(self) -> dict:
+        """Acceptance rate (accepted / drafted tokens) and mean tokens emitted per verification
+        (1 + accepted / verifications, vLLM's mean acceptance length); {} without speculation."""
+        sp = self.spec
+        if sp is None:
+            return {}
+        n, d, a = sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens
+        return {"spec_num_verifications": n, "spec_num_draft_tokens": d,
+                "spec_num_accepted_tokens": a,
+                "spec_acceptance_rate": a / d if d else float("nan"),
+                "spec_mean_tokens_per_verification": 1 + a / n if n else float("nan"),
+                "spec_accepted_per_position": list(sp.num_accepted_tokens_per_pos)}
+
+
+class SyntheticSpec:
+    """Fake drafts and a seeded acceptance draw for each verified request (see module doc)."""
+    __slots__ = ("config", "alpha", "rng", "max_model_len")
+
+    def __init__(self, config: SchedulerConfig, alpha: float, seed: int) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {alpha!r}")
+        self.config, self.alpha = config.speculative_config, alpha
+        self.rng = np.random.default_rng(seed)
+        self.max_model_len = config.max_model_len
+
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """NgramProposer.propose's rule, every lookup a hit."""
+        k = self.config.num_drafts_for(len(running))
+        out = {}
+        if k:
+            for req in running:
+                num_tokens = len(req.all_token_ids)
+                if not req.output_token_ids or req.num_computed_tokens != num_tokens - 1:
+                    continue
+                room = min(req.max_tokens - len(req.output_token_ids),
+                           self.max_model_len - num_tokens) - 1
+                if room > 0:
+                    out[req.request_id] = [DRAFT_TOKEN] * min(k, room)
+        return out
+
+    def accepted(self, num_drafts: int) -> int:
+        """Leading drafts accepted, each with probability alpha."""
+        a, rand = 0, self.rng.random
+        while a < num_drafts and rand() < self.alpha:
+            a += 1
+        return a
+
+    def sampled(self, num_sched: dict[str, int], spec: dict[str, list[int]],
+                one: list[int]) -> tuple[dict[str, list[int]], int, int]:
+        """The sampled-token dict, the step's draft tokens and its accepted ones."""
+        out = dict.fromkeys(num_sched, one)
+        drafted = acc = 0
+        for rid, drafts in spec.items():
+            a = self.accepted(len(drafts))
+            out[rid] = [SAMPLED_TOKEN] * (a + 1)
+            drafted += len(drafts)
+            acc += a
+        return out, drafted, acc
 
 
 def _make_request(wl: Workload, i: int, sp_cache: dict[int, SamplingParams]) -> Request:
@@ -63,9 +134,12 @@ def _make_request(wl: Workload, i: int, sp_cache: dict[int, SamplingParams]) -> 
 
 def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str = "vllm", *,
              include_scheduler_time: bool = False, progress: bool = False,
-             step_hook: Callable | None = None) -> SimResult:
+             step_hook: Callable | None = None, spec_acceptance: float = 0.7,
+             spec_seed: int = 0) -> SimResult:
     """Replay `wl` through a Scheduler(config) driven as `policy`; see the module docstring.
     Requests longer than config.max_model_len are shortened first (counted in num_clipped).
+    spec_acceptance / spec_seed: the per-draft acceptance probability and its generator's seed,
+    used only with config.speculative_config.
 
     step_hook(driver, scheduler_output, engine_outputs, t_start, t_end) is called after each
     step (the HTML step viewer records its frames this way).
@@ -87,6 +161,9 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
     st = {k: array("d") for k in STEP_FIELDS}
     st_t, st_dt, st_tok, st_pre = st["t"], st["dt"], st["tokens"], st["prefill_tokens"]
     st_reqs, st_kv, st_run, st_wait = st["reqs"], st["kv_usage"], st["running"], st["waiting"]
+    st_draft, st_acc = st["draft_tokens"], st["accepted_tokens"]
+    spec = (SyntheticSpec(config, spec_acceptance, spec_seed)
+            if config.speculative_config is not None else None)
     index: dict[str, int] = {}
     sp_cache: dict[int, SamplingParams] = {}
     one = [SAMPLED_TOKEN]
@@ -124,7 +201,13 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
             raise RuntimeError(f"no progress at t={t:.3f}s: {len(sched.waiting)} waiting "
                                f"requests can never be admitted ({sched.config})")
         pad_n, pad_ctx = driver.padding()
-        dt = step_time(num_sched, requests, pad_n, pad_ctx) + host
+        sd = so.scheduled_spec_decode_tokens
+        if sd:
+            dt = step_time(num_sched, requests, pad_n, pad_ctx, sd) + host
+            sampled, drafted, accepted = spec.sampled(num_sched, sd, one)
+        else:       # callers' cost models need not know the spec argument
+            dt = step_time(num_sched, requests, pad_n, pad_ctx) + host
+            sampled, drafted, accepted = dict.fromkeys(num_sched, one), 0, 0
         host = 0.0
         t0 = t
         t += dt
@@ -137,14 +220,17 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
         st_dt.append(dt)
         st_tok.append(so.total_num_scheduled_tokens)
         st_reqs.append(len(num_sched))
-        st_pre.append(so.total_num_scheduled_tokens - [*num_sched.values()].count(1))
+        st_pre.append(so.total_num_scheduled_tokens - [*num_sched.values()].count(1)
+                      - drafted - len(sd))
+        st_draft.append(drafted)
+        st_acc.append(accepted)
         st_kv.append(kvm.usage)
         st_run.append(len(sched.running))
         st_wait.append(driver.num_waiting())
 
         if include_scheduler_time:
             h0 = time.perf_counter()
-        outs = sched.update_from_output(so, dict.fromkeys(num_sched, one))
+        outs = sched.update_from_output(so, sampled)
         if include_scheduler_time:
             host = time.perf_counter() - h0
         done = 0
@@ -156,10 +242,12 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
             else:
                 itl.append(t - last)
             last_tok[i] = t
-            n_out[i] += 1
+            n_out[i] += len(o.new_token_ids)
             if o.finished:
                 finish[i] = t
                 done += 1
+        if spec is not None:
+            sched.update_draft_token_ids(spec.propose(sched.running))
         if step_hook is not None:
             step_hook(driver, so, outs, t0, t)
         if pbar is not None and done:
@@ -173,4 +261,5 @@ def simulate(wl: Workload, cost: CostModel, config: SchedulerConfig, policy: str
         finish=np.array(finish), num_output=np.array(n_out, dtype=np.int64),
         preemptions=np.array(preempts, dtype=np.int64), itl=np.frombuffer(itl, dtype=np.float64),
         steps={k: np.frombuffer(v, dtype=np.float64) for k, v in st.items()},
-        sim_time=t, wall_time=time.perf_counter() - wall0, num_clipped=wl.num_clipped)
+        sim_time=t, wall_time=time.perf_counter() - wall0, num_clipped=wl.num_clipped,
+        spec=sched.spec_stats.copy() if spec is not None else None)

@@ -43,6 +43,7 @@ class SweepSetup:
     arrival: str = "poisson"
     burstiness: float = 1.0
     priority_threshold: int | None = None
+    spec_acceptance: float = 0.7    # used only with a speculative_config in sched_fields
 
     def run(self, variant: Variant, rate: float) -> dict:
         wl = self.workload.head(self.num_requests)
@@ -52,7 +53,8 @@ class SweepSetup:
         if variant.policy == "priority" and wl.priorities is None:
             wl = with_priorities(wl, self.priority_threshold)
         cfg = scheduler_config(variant.policy, **(self.sched_fields | variant.overrides))
-        s = summarize(simulate(wl, self.cost, cfg, variant.policy))
+        s = summarize(simulate(wl, self.cost, cfg, variant.policy,
+                               spec_acceptance=self.spec_acceptance, spec_seed=self.seed))
         s["label"] = variant.label
         s["request_rate"] = rate
         return s
