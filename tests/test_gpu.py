@@ -183,3 +183,35 @@ def test_seeded_sampling_on_cuda_repeats_and_does_not_depend_on_the_batch(tiny_l
     other, _ = _generate(llm, prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=12,
                                                      ignore_eos=True))
     assert alone[0] == batched[0] and alone[0] != other[0]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_speculative_greedy_on_cuda_equals_without(tiny_llama, enforce_eager):
+    """Drafts verified as decode rows (replayed from the decode graphs when they fit)."""
+    from test_spec_decode import NGRAM, OracleProposer, prompts_for_tests
+    prompts = prompts_for_tests()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", block_size=4, max_num_seqs=8,
+              enforce_eager=enforce_eager, num_blocks=NUM_BLOCKS)
+    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    llm = LLM(tiny_llama, speculative_config=NGRAM, **kw)
+    core = llm.llm_engine.engine_core
+    core.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, plain)})
+    spec = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    assert spec == plain
+    assert core.scheduler.spec_stats.num_accepted_tokens > 0
+    _no_leak(llm)
+
+
+def test_seeded_speculative_sampling_on_cuda_repeats(tiny_llama):
+    from test_spec_decode import NGRAM, prompts_for_tests
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", num_blocks=NUM_BLOCKS,
+              speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    sp = SamplingParams(temperature=0.7, seed=11, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_for_tests()]
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert a == b and llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+    _no_leak(llm)
