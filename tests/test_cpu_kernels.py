@@ -238,3 +238,106 @@ def test_argmax_rows_rejects_bad_inputs():
         torch.ops.kvflow.argmax_rows(torch.zeros(4, 3).t())
     with pytest.raises(RuntimeError, match="supports bfloat16 and float32"):
         torch.ops.kvflow.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))
+
+
+def _skinny_ref(x, w, bias=None, residual=None):
+    y = (x.double() @ w.double().t())
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+def _assert_skinny_close(got, ref, x, w):
+    # Error relative to the magnitude of the products summed, not of the (possibly cancelling) sum.
+    scale = (x.double().abs() @ w.double().abs().t()).max().item() + 1.0
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("T", range(1, 17))
+@pytest.mark.parametrize("I,O", [(77, 130), (64, 96), (576, 31)])
+def test_skinny_linear_matches_f_linear(T, I, O):
+    g = torch.Generator().manual_seed(T * 1000 + I + O)
+    x, w = torch.randn(T, I, generator=g), torch.randn(O, I, generator=g)
+    b, r = torch.randn(O, generator=g), torch.randn(T, O, generator=g)
+    for bias, res in [(None, None), (b, None), (None, r), (b, r)]:
+        got = torch.ops.kvflow.skinny_linear(x, w, bias, res)
+        _assert_skinny_close(got, _skinny_ref(x, w, bias, res), x, w)
+    torch.testing.assert_close(torch.ops.kvflow.skinny_linear(x, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5 * I ** 0.5)
+
+
+def test_skinny_linear_strided_inputs():
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(5, 200, generator=g)
+    x = big[:, 3:80]                                # row-strided
+    xt = torch.randn(77, 5, generator=g).t()        # column-major: copied
+    wbig = torch.randn(130, 90, generator=g)
+    w = wbig[:, :77]                                # row-strided weight
+    res = torch.randn(5, 140, generator=g)[:, :130]
+    for xx in (x, xt):
+        got = torch.ops.kvflow.skinny_linear(xx, w, None, res)
+        _assert_skinny_close(got, _skinny_ref(xx, w, None, res), xx, w)
+
+
+def test_skinny_linear_rejects_bad_inputs():
+    x, w = torch.zeros(3, 8), torch.zeros(5, 8)
+    op = torch.ops.kvflow.skinny_linear
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="features"):
+        op(torch.zeros(3, 7), w)
+    with pytest.raises(RuntimeError, match=r"\[T, I\]"):
+        op(torch.zeros(2, 3, 8), w)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        op(x, torch.zeros(8, 5).t())
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, w, torch.zeros(4))
+    with pytest.raises(RuntimeError, match="residual"):
+        op(x, w, None, torch.zeros(3, 4))
+    with pytest.raises(RuntimeError, match="residual"):
+        op(x, w, None, torch.zeros(5, 3).t())
+    assert op(torch.zeros(0, 8), w).shape == (0, 5)
+
+
+def _marked_linear(I, O, bias):
+    m = torch.nn.Linear(I, O, bias=bias)
+    m.__dict__["skinny"] = True
+    return m
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_linear_routing_equals_f_linear(flag, monkeypatch):
+    from kvflow.model import layers
+    monkeypatch.setattr(layers, "_SKINNY_GEMM", flag)
+    m = _marked_linear(77, 130, bias=True)
+    with torch.no_grad():
+        for T in (1, 2, 5, layers.SKINNY_MAX_ROWS, layers.SKINNY_MAX_ROWS + 1):
+            x, r = torch.randn(T, 77), torch.randn(T, 130)
+            routed = layers.SKINNY_MIN_ROWS <= T <= layers.SKINNY_MAX_ROWS
+            assert layers.use_skinny(x, True, layers.SKINNY_MAX_ROWS) == (flag and routed)
+            torch.testing.assert_close(layers.linear(x, m), F.linear(x, m.weight, m.bias))
+            torch.testing.assert_close(layers.linear(x, m, r), F.linear(x, m.weight, m.bias) + r)
+    assert not layers.use_skinny(torch.randn(3, 77).bfloat16(), True, 8)
+    assert not layers.use_skinny(torch.randn(3, 77), False, 8)
+
+
+def test_skinny_env_switch_forces_the_torch_path():
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, torch.nn.functional as F\n"
+            "from kvflow.model import layers\n"
+            "assert layers._SKINNY_GEMM is False\n"
+            "assert not layers.use_skinny(torch.zeros(3, 8), True, 8)\n"
+            "m = torch.nn.Linear(77, 130); m.__dict__['skinny'] = True\n"
+            "x = torch.randn(4, 77)\n"
+            "with torch.no_grad(): torch.testing.assert_close(layers.linear(x, m),"
+            " F.linear(x, m.weight, m.bias), rtol=0, atol=0)\n")
+    env = dict(os.environ, KVFLOW_CPU_SKINNY_GEMM="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""kvflow's native CPU kernels (csrc/*.cpp: paged decode attention, RMSNorm, SwiGLU, RoPE): built once with the machine's C++ compiler, cached,
+"""kvflow's native CPU kernels (csrc/*.cpp: paged decode attention, RMSNorm, SwiGLU, RoPE, few-row float32 GEMM): built once with the machine's C++ compiler, cached,
 and loaded as torch ops (`torch.ops.kvflow.*`).
 
 Why native code: a decode step's attention in plain torch gathers every request's context out of
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp"]
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_gemm.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
 _FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",

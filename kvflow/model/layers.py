@@ -11,6 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Float32 CPU matmuls of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows go through kvflow's skinny_linear
+# kernel (csrc/cpu_gemm.cpp), which beats MKL there (BENCHMARKS.md); =0 forces torch's path.
+_SKINNY_GEMM = os.environ.get("KVFLOW_CPU_SKINNY_GEMM", "1") != "0"
+SKINNY_MAX_ROWS = 12
+
+
+def _skinny_min_rows() -> int:
+    from kvflow.model.cpu_ops import _cpu_flags
+    # MKL's 2-4 row products are fast on AVX-512 CPUs (measured on a Xeon), not on AVX2 ones.
+    return 5 if " avx512f" in _cpu_flags() else 2
+
+
+SKINNY_MIN_ROWS = _skinny_min_rows()
+
 
 def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linear made one,
@@ -22,11 +36,22 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, m.bias, "add")
     if m.weight.dtype != x.dtype:
         return _linear_upcast(x, m, residual)
+    if use_skinny(x, m.__dict__.get("skinny", False), SKINNY_MAX_ROWS):
+        return torch.ops.kvflow.skinny_linear(x, m.weight, m.bias, residual)
     if residual is None:
         return F.linear(x, m.weight, m.bias)
     if m.bias is not None:
         residual = residual + m.bias
     return torch.addmm(residual, x, m.weight.t())
+
+
+def use_skinny(x: torch.Tensor, marked: bool, max_rows: int,
+               min_rows: int = SKINNY_MIN_ROWS) -> bool:
+    """Whether a product with x goes to skinny_linear: the weight is marked (a float32 CPU weight
+    with the kernels built, use_cpu_kernels) and x has min_rows..max_rows float32
+    rows."""
+    return (marked and _SKINNY_GEMM and x.dim() == 2 and min_rows <= x.shape[0] <= max_rows
+            and x.dtype == torch.float32)
 
 
 def _linear_upcast(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
@@ -94,14 +119,19 @@ def upcast_linear(m: nn.Linear) -> None:
 
 def use_cpu_kernels(model: nn.Module, dtype: torch.dtype, device: str, enable: bool = True) -> bool:
     """Route RMSNorm, SwiGLU and RoPE through kvflow's native CPU kernels (cpu_ops.py) when they are
-    built and the model is a bf16 or float32 CPU model. Returns whether they are in use."""
+    built and the model is a bf16 or float32 CPU model, and mark float32 Linears (and the model,
+    for its LM head) for skinny_linear. Returns whether they are in use."""
     on = False
     if enable and device == "cpu" and dtype in (torch.bfloat16, torch.float32):
         from kvflow.model import cpu_ops
         on = cpu_ops.available()
+    skinny = on and dtype == torch.float32
+    model.__dict__["skinny"] = skinny
     for m in model.modules():
         if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
             m.use_kernels = on
+        elif isinstance(m, nn.Linear):
+            m.__dict__["skinny"] = skinny
     return on
 
 

@@ -14,10 +14,11 @@ from torch import nn
 
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear
+from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
 
-# 0: the LM head is always x @ W.T (the plain path; tests force it to cover it on any CPU)
+# 0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor skinny_linear)
 _LM_HEAD_WX = os.environ.get("KVFLOW_LM_HEAD_WX", "1") != "0"
+_LM_HEAD_SKINNY_ROWS = 16
 
 
 class Attention(nn.Module):
@@ -97,6 +98,11 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             return linear(hidden, head)
         w = self.lm_weight()
+        if _LM_HEAD_WX and use_skinny(hidden, self.__dict__.get("skinny", False),
+                                      _LM_HEAD_SKINNY_ROWS, 1):
+            # One pass over the vocabulary's weights for all rows; beats both torch orders even
+            # for one row (BENCHMARKS.md, "Skinny GEMM").
+            return torch.ops.kvflow.skinny_linear(hidden, w)
         if _LM_HEAD_WX and 1 < hidden.shape[0] <= 256 and w.dtype == torch.float32 \
                 and not w.is_cuda:
             # W @ x.T, not x @ W.T: MKL's float32 GEMM with a few rows of x runs 2-3x slower
