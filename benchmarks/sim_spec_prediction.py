@@ -5,11 +5,10 @@
 Model: SmolLM2-135M (kvflow's default model), float32, the engine on the 2-core dev VM. Two cost
 models, because the simulator's CPU roofline cannot represent the measured small-T behaviour:
 
-- table: step time of one request's forward of T rows, measured on this VM before the small-row
-  GEMM fix (T=1: 68-90 ms, 2: 130, 3: 160, 5: 125, 8: 120-148, 16: 146-171; mid-points used,
-  T=4 interpolated between 3 and 5, past 16 extended along the 8-16 slope), plus roofline decode
-  attention at the VM's measured fp32 peaks and 2.72 ms per extra request (the CPU calibration's
-  host term). The "range" column re-runs it with T=1 at 68 and 90 ms.
+- table: the engine step time of one request verifying T rows, measured on this VM with
+  benchmarks/spec_step_cost.py (MEASURED_S below; interpolated between, extended past 16), plus
+  roofline decode attention at the VM's measured fp32 peaks and 2.72 ms per extra request (the
+  CPU calibration's host term). The "range" column re-runs it with T=1 at 40 and 60 ms.
 - roofline: the simulator's CostModel with the constants fitted to docs/sim/calibration_cpu.jsonl
   (bf16, one thread, 2026-11-22): extra rows are nearly free (weight-bound), i.e. what a CPU
   step that followed the roofline would give; an upper bound for after the kernel fix.
@@ -38,13 +37,16 @@ from kvflow.sim.cost_model import RowTableCostModel                         # no
 from kvflow.sim.hardware import GPUSpec, ModelShape                         # noqa: E402
 from kvflow.sim.workload import synthetic                                   # noqa: E402
 
-MEASURED_S = {1: 0.079, 2: 0.130, 3: 0.160, 5: 0.125, 8: 0.134, 16: 0.1585}
-T1_RANGE = (0.068, 0.090)
+# benchmarks/spec_step_cost.py, one request with m drafts = 1 + m rows, after the skinny GEMM
+# kernel (2026-11-23): 2 rows 40 ms, 3: 47, 5: 53, 9: 85, 16: 141; one row 43 ms (two requests
+# without drafts; the first, one-row configuration also paid the KV cache's first touch, 60 ms).
+MEASURED_S = {1: 0.043, 2: 0.043, 3: 0.047, 5: 0.053, 9: 0.085, 16: 0.141}
+T1_RANGE = (0.040, 0.060)
 # torch 2.13 on this VM, 2 threads, best of 5: fp32 1024^3 matmul, fp32 copy (read + write).
 CPU_FP32 = GPUSpec("dev VM, 2 cores, fp32 (measured)", 85.9e9, 26.8e9, 0,
                    "torch matmul / copy on the 2-core dev VM, 2026-11-23")
 K = 4
-ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+ALPHAS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def table_model(t1: float) -> CostModel:
@@ -111,14 +113,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=8, help="replays per acceptance rate")
     args = p.parse_args()
     t = table_model(MEASURED_S[1])
-    print(f"SmolLM2-135M fp32, 2-core CPU, n-gram speculation k={K} (max_batch_tokens 16); "
+    print(f"SmolLM2-135M fp32, 2-core CPU, n-gram speculation k={K} (max_batch_tokens "
+          f"{SpeculativeConfig().max_batch_tokens}); "
           f"prompt {args.prompt_len}, output {args.output_len} tokens, all requests at t=0; "
           f"{args.seeds} seeds per alpha. Simulated, not measured.")
     print(f"table model step cost: T=1 {t.rows_time(1) * 1e3:.0f} ms, T={K + 1} "
           f"{t.rows_time(K + 1) * 1e3:.0f} ms -> speculation pays once tokens/verification "
           f"> {t.rows_time(K + 1) / t.rows_time(1):.2f}")
     print(f"{'batch':>5} {'alpha':>5} {'drafts':>6} {'acc.rate':>8} {'tok/ver':>8} "
-          f"{'tok/s off':>10} {'tok/s on':>10} {'speedup':>9} {'T1 68-90ms':>11} "
+          f"{'tok/s off':>10} {'tok/s on':>10} {'speedup':>9} {'T1 40-60ms':>11} "
           f"{'roofline':>10}")
     for line in rows(args):
         print(line)

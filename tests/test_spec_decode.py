@@ -34,6 +34,8 @@ def test_speculative_config_takes_vllms_dict_and_names_bad_keys():
 def test_drafts_shrink_as_the_batch_grows_down_to_none():
     c = SpeculativeConfig(num_speculative_tokens=4, max_batch_tokens=16)
     assert [c.num_drafts_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [4, 4, 4, 3, 2, 1, 0, 0]
+    default = SpeculativeConfig()
+    assert [default.num_drafts_for(n) for n in (1, 2, 3, 4, 6, 7, 32)] == [4, 4, 3, 2, 1, 0, 0]
     assert SpeculativeConfig(disable_by_batch_size=3).num_drafts_for(3) == 0
 
 

@@ -26,8 +26,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # A step verifies at most this many tokens (decodes plus drafts) before drafts shrink:
-    # past it a CPU step stops being bound by reading the weights (BENCHMARKS.md, issue 14).
-    max_batch_tokens: int = 16
+    # past ~12 rows a CPU step's cost grows with every row (BENCHMARKS.md, issue 14).
+    max_batch_tokens: int = 12
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
