@@ -84,12 +84,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--json")
     a = p.parse_args()
     spec_cfg = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}
-    engines = {"plain": LLM(dtype="float32", max_model_len=4096),
-               "ngram": LLM(dtype="float32", max_model_len=4096, speculative_config=spec_cfg)}
+    kw = dict(dtype="float32", max_model_len=4096, device=a.device)
+    if a.device == "cuda":
+        kw["num_blocks"] = 8192      # two engines share the GPU: a fixed cache each
+    engines = {"plain": LLM(**kw), "ngram": LLM(**kw, speculative_config=spec_cfg)}
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     conc = (edit_prompts(8) + answer_prompts(8)) * (a.concurrency // 16 + 1)
     work = {"edit (batch 1)": (edit_prompts(a.num_prompts), True),
