@@ -6,26 +6,18 @@ cannot pack bf16 weights (kvflow/model/layers.py, prepare_linears).
 Shapes are the 62.9M bench Llama's (make_bench_model.py) at 64 and 256 decode rows. Each
 candidate runs 10 calls per round, rounds alternating, median of 5 rounds, in ms per call.
 """
-import re
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from cpu_info import cpu_line
 
 from kvflow.model import layers
 
 SHAPES = {"qkv": (768, 1280), "o_proj": (768, 768), "gate_up": (768, 4096),
           "down": (2048, 768), "lm_head": (768, 8192)}
-
-
-def cpu_line() -> str:
-    info = open("/proc/cpuinfo").read()
-    name = re.search(r"model name\s*:\s*(.*)", info).group(1)
-    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    wanted = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return f"{name}; flags: {' '.join(wanted)}"
 
 
 def candidates(x: torch.Tensor, w: torch.Tensor) -> dict:

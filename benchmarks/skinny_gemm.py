@@ -8,7 +8,6 @@ micro: SmolLM2-135M's matmul shapes, one call at a time; candidates alternate ca
        ms, in one process per setting (KVFLOW_CPU_SKINNY_GEMM=0 is "old"), settings alternating.
 """
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -16,19 +15,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from cpu_info import cpu_line
 
 SHAPES = {"gate_up [3072,576]": (3072, 576), "down [576,1536]": (576, 1536),
           "lm_head [49152,576]": (49152, 576)}
 ROWS = (1, 2, 3, 5, 8, 16)
 MODEL_ROWS = (1, 2, 3, 5, 8)
-
-
-def cpu_line() -> str:
-    info = open("/proc/cpuinfo").read()
-    name = re.search(r"model name\s*:\s*(.*)", info).group(1)
-    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-    wanted = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return f"{name}; {os.cpu_count()} cpus; {torch.get_num_threads()} threads; {' '.join(wanted)}"
 
 
 def medians(fns: dict, calls: int) -> dict:
@@ -92,7 +84,7 @@ if __name__ == "__main__":
     if what == "model-worker":
         model_worker(n)
         sys.exit()
-    print(cpu_line())
+    print(f"{cpu_line()}; {os.cpu_count()} cpus; {torch.get_num_threads()} threads")
     if what in ("micro", "all"):
         micro(n)
     if what in ("model", "all"):

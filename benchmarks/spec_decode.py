@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import platform
 import statistics
 import time
 
+from cpu_info import cpu_line
 from kvflow import LLM, SamplingParams
 
 DOC_MODULES = ["textwrap", "heapq", "bisect", "fnmatch", "shlex", "string", "functools",
@@ -67,16 +67,6 @@ def run(llm: LLM, convs: list, sp: SamplingParams, batch1: bool) -> tuple[float,
     return dt, n, spec
 
 
-def cpu_flags() -> str:
-    try:
-        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
-        model = next(l for l in open("/proc/cpuinfo") if l.startswith("model name"))
-        keep = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
-        return model.split(":", 1)[1].strip() + " | " + " ".join(sorted(keep))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
@@ -112,7 +102,7 @@ def main() -> None:
                 print(f"round {r} {name:22s} {e:6s} {n:5d} tok {dt:7.2f} s {n / dt:7.1f} tok/s "
                       f"{spec}", flush=True)
             res[name]["same_tokens"] = toks["plain"] == toks["ngram"]
-    print(f"\nCPU: {cpu_flags()}\n")
+    print(f"\nCPU: {cpu_line()}\n")
     print("| workload | plain tok/s | ngram tok/s | speedup (median of rounds) | acceptance | "
           "tokens per verification step | same tokens |")
     print("|---|---|---|---|---|---|---|")
@@ -127,7 +117,7 @@ def main() -> None:
               f"{acc / dr if dr else 0:.0%} | {1 + acc / nd if nd else 1:.2f} | "
               f"{d['same_tokens']} |")
     if a.json:
-        json.dump({"cpu": cpu_flags(), "args": vars(a), "results": res}, open(a.json, "w"),
+        json.dump({"cpu": cpu_line(), "args": vars(a), "results": res}, open(a.json, "w"),
                   indent=1)
 
 

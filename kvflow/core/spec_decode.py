@@ -23,25 +23,32 @@ class NgramIndex:
         self.indexed_to = 0     # the n-grams ending at positions < this are indexed
 
 
+def draft_room(req: Request, k: int, max_model_len: int) -> int:
+    """How many drafts req may verify next step: none unless it is decoding (has sampled a token
+    and has nothing but that token left to compute; not one re-running its prefill after a
+    preemption), at most k, and few enough that the accepted drafts plus the one token every
+    step emits never pass max_tokens or max_model_len."""
+    num_tokens = len(req.all_token_ids)
+    if not req.output_token_ids or req.num_computed_tokens != num_tokens - 1:
+        return 0
+    room = min(req.max_tokens - len(req.output_token_ids), max_model_len - num_tokens) - 1
+    return max(0, min(k, room))
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
 
     def propose(self, requests: Iterable[Request], num_running: int) -> dict[str, list[int]]:
-        """Drafts for each request that is decoding (has sampled a token and has nothing but that
-        token left to compute; not one re-running its prefill after a preemption)."""
+        """Drafts for each request with draft_room, from lookup."""
         k = self.config.num_drafts_for(num_running)
         if k == 0:
             return {}
         out = {}
         for req in requests:
-            if not req.output_token_ids or req.num_computed_tokens != len(req.all_token_ids) - 1:
-                continue
-            # Room left: every step emits the accepted drafts plus one token.
-            room = min(req.max_tokens - len(req.output_token_ids),
-                       self.max_model_len - len(req.all_token_ids)) - 1
-            drafts = self.lookup(req, min(k, room)) if room > 0 else []
+            n = draft_room(req, k, self.max_model_len)
+            drafts = self.lookup(req, n) if n else []
             if drafts:
                 out[req.request_id] = drafts
         return out

@@ -163,40 +163,50 @@ class ModelRunner:
         failed, self.failed = self.failed, {}
         return failed
 
-    def sample(self, logits: torch.Tensor,
-               reqs: list[CachedRequestState]) -> dict[str, list[int]]:
-        """One token per request. If the batched draw raises, each row is drawn alone, so that
-        only the requests at fault fail (they go to self.failed, for the engine to finish).
-        Bad parameters raise before any seeded row draws; only a broken generator could leave
-        the seeded rows before it one draw further (not snapshotted: ~2 us a row every step).
-        Each sampled token is appended to its request's state: the scheduler never resends it."""
+    def sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+               drafts: list[list[int]] | None = None) -> dict[str, list[int]]:
+        """One token per request; with drafts (request i owning len(drafts[i]) + 1 logits rows),
+        its accepted drafts plus one. If the batched draw raises, each request is drawn alone,
+        so that only the requests at fault fail (they go to self.failed, for the engine to
+        finish). Bad parameters raise before any seeded row draws; only a broken generator could
+        leave the seeded rows before it one draw further (not snapshotted: ~2 us a row every
+        step). Sampled tokens are appended to their request's state: the scheduler never resends
+        them."""
+        drafts = drafts or [_NONE] * len(reqs)
         try:
-            tokens = self._draw(logits, reqs)
+            results = self._draw(logits, reqs, drafts)
         except Exception:
-            return self._sample_rows(logits, reqs)
+            results = self._draw_each(logits, reqs, drafts)
         out = {}
-        for r, t in zip(reqs, tokens):
-            r.token_ids.append(t)
-            out[r.req_id] = [t]
+        for r, toks in zip(reqs, results):
+            if toks is not None:
+                r.token_ids.extend(toks)
+                out[r.req_id] = toks
         return out
 
-    def _draw(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> list[int]:
-        return self.sampler(logits, [r.sampling_params for r in reqs],
-                            [self._generator(r) for r in reqs], [r.banned() for r in reqs])
+    def _draw(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+              drafts: list[list[int]]) -> list[list[int]]:
+        params = [r.sampling_params for r in reqs]
+        gens = [self._generator(r) for r in reqs]
+        if not any(drafts):
+            return [[t] for t in self.sampler(logits, params, gens, [r.banned() for r in reqs])]
+        banned = [r.banned(j) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
+        return self.sampler.verify(logits, params, gens, drafts, banned)
 
-    def _sample_rows(self, logits: torch.Tensor,
-                     reqs: list[CachedRequestState]) -> dict[str, list[int]]:
-        out, errors = {}, {}
-        for i, r in enumerate(reqs):
+    def _draw_each(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                   drafts: list[list[int]]) -> list[list[int] | None]:
+        results, errors, o = [], {}, 0
+        for r, d in zip(reqs, drafts):
             try:
-                out[r.req_id] = toks = self._draw(logits[i:i + 1], [r])
-                r.token_ids.extend(toks)
+                results.append(self._draw(logits[o:o + len(d) + 1], [r], [d])[0])
             except Exception as e:
                 errors[r.req_id] = e
-        if len(errors) == len(reqs) > 1:    # every row fails: the sampler, not a request
+                results.append(None)
+            o += len(d) + 1
+        if len(errors) == len(reqs) > 1:    # every request fails: the sampler, not a request
             raise next(iter(errors.values()))
         self.failed.update(errors)
-        return out
+        return results
 
     def gather_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's flat inputs as Python lists, decodes (one query token) first: the attention
@@ -266,41 +276,7 @@ class ModelRunner:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        logits = self.model.compute_logits(hidden)
-        if any(st.drafts):
-            return self.verify(logits, st.sample_reqs, st.drafts)
-        return self.sample(logits, st.sample_reqs)
-
-    def verify(self, logits: torch.Tensor, reqs: list[CachedRequestState],
-               drafts: list[list[int]]) -> dict[str, list[int]]:
-        """sample() for a step with draft tokens: each request gets its accepted drafts plus
-        one token. As in sample(), a failing batch is retried request by request."""
-        try:
-            results = self._verify(logits, reqs, drafts)
-        except Exception:
-            results, errors, o = [], {}, 0
-            for r, d in zip(reqs, drafts):
-                try:
-                    results.append(self._verify(logits[o:o + len(d) + 1], [r], [d])[0])
-                except Exception as e:
-                    errors[r.req_id] = e
-                    results.append(None)
-                o += len(d) + 1
-            if len(errors) == len(reqs) > 1:
-                raise next(iter(errors.values())) from None
-            self.failed.update(errors)
-        out = {}
-        for r, toks in zip(reqs, results):
-            if toks is not None:
-                r.token_ids.extend(toks)
-                out[r.req_id] = toks
-        return out
-
-    def _verify(self, logits: torch.Tensor, reqs: list[CachedRequestState],
-                drafts: list[list[int]]) -> list[list[int]]:
-        banned = [r.banned(j) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
-        return self.sampler.verify(logits, [r.sampling_params for r in reqs],
-                                   [self._generator(r) for r in reqs], drafts, banned)
+        return self.sample(self.model.compute_logits(hidden), st.sample_reqs, st.drafts)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without

@@ -40,6 +40,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # No `*_created` series next to every counter and histogram (vLLM turns them off too).
 prometheus_client.disable_created_metrics()
+_NO_SPEC = SpecDecodingStats()
 
 
 class PrometheusStatLogger:
@@ -89,7 +90,7 @@ class PrometheusStatLogger:
                                TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Output length per request.",
                             TOKEN_BUCKETS)
-        self._last = (0, 0, 0)      # cumulative scheduler counters seen so far
+        self._last = (0,) * 6       # cumulative scheduler counters seen so far
         self.spec_drafts = counter("vllm:spec_decode_num_drafts",
                                    "Requests verified with draft tokens, counted per step.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
@@ -99,36 +100,32 @@ class PrometheusStatLogger:
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.",
                                      L + ["position"], registry=r)
-        self._spec_last = SpecDecodingStats()
+        self._per_pos_last: list[int] = []
+        self._counters = (self.preemptions, self.pc_queries, self.pc_hits, self.spec_drafts,
+                          self.spec_draft_tokens, self.spec_accepted)
 
-    def _record_spec(self, sd: SpecDecodingStats) -> None:
-        last = self._spec_last
-        for c, new, old in ((self.spec_drafts, sd.num_drafts, last.num_drafts),
-                            (self.spec_draft_tokens, sd.num_draft_tokens, last.num_draft_tokens),
-                            (self.spec_accepted, sd.num_accepted_tokens,
-                             last.num_accepted_tokens)):
-            if new > old:
-                c.inc(new - old)
-        old_pos = last.num_accepted_tokens_per_pos
-        for i, new in enumerate(sd.num_accepted_tokens_per_pos):
-            old = old_pos[i] if i < len(old_pos) else 0
-            if new > old:
-                self._spec_per_pos.labels(self.model_name, str(i)).inc(new - old)
-        if sd.num_drafts >= last.num_drafts:
-            self._spec_last = sd
+    def _record_per_pos(self, per_pos: list[int]) -> None:
+        """Like the counters in record(): cumulative values in, increments out."""
+        old = self._per_pos_last + [0] * (len(per_pos) - len(self._per_pos_last))
+        for i, (new, seen) in enumerate(zip(per_pos, old)):
+            if new > seen:
+                self._spec_per_pos.labels(self.model_name, str(i)).inc(new - seen)
+        self._per_pos_last = [max(a, b) for a, b in zip(per_pos, old)]
 
     def record(self, s: IterationStats) -> None:
         ss = s.scheduler_stats
         self.running.set(ss.num_running_reqs)
         self.waiting.set(ss.num_waiting_reqs)
         self.kv_usage.set(ss.kv_cache_usage)
-        cur = (ss.num_preemptions, ss.prefix_cache_queries, ss.prefix_cache_hits)
-        for c, new, old in zip((self.preemptions, self.pc_queries, self.pc_hits), cur, self._last):
+        sd = ss.spec_decoding or _NO_SPEC
+        cur = (ss.num_preemptions, ss.prefix_cache_queries, ss.prefix_cache_hits,
+               sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
+        for c, new, old in zip(self._counters, cur, self._last):
             if new > old:
                 c.inc(new - old)
         self._last = tuple(max(a, b) for a, b in zip(cur, self._last))
-        if ss.spec_decoding is not None:
-            self._record_spec(ss.spec_decoding)
+        if sd.num_accepted_tokens_per_pos:
+            self._record_per_pos(sd.num_accepted_tokens_per_pos)
         if s.num_prompt_tokens:
             self.prompt_tokens.inc(s.num_prompt_tokens)
         if s.num_generation_tokens:

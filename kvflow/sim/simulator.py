@@ -27,6 +27,7 @@ import numpy as np
 from kvflow import SamplingParams
 from kvflow.core import Request, SchedulerConfig
 from kvflow.core.outputs import SpecDecodingStats
+from kvflow.core.spec_decode import draft_room
 from kvflow.sim.cost_model import CostModel
 from kvflow.sim.policies import make_driver
 from kvflow.sim.workload import Workload, clip_to_model_len
@@ -93,13 +94,9 @@ class SyntheticSpec:
         out = {}
         if k:
             for req in running:
-                num_tokens = len(req.all_token_ids)
-                if not req.output_token_ids or req.num_computed_tokens != num_tokens - 1:
-                    continue
-                room = min(req.max_tokens - len(req.output_token_ids),
-                           self.max_model_len - num_tokens) - 1
-                if room > 0:
-                    out[req.request_id] = [DRAFT_TOKEN] * min(k, room)
+                n = draft_room(req, k, self.max_model_len)
+                if n:
+                    out[req.request_id] = [DRAFT_TOKEN] * n
         return out
 
     def accepted(self, num_drafts: int) -> int:
