@@ -341,3 +341,21 @@ def test_skinny_env_switch_forces_the_torch_path():
     env = dict(os.environ, KVFLOW_CPU_SKINNY_GEMM="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("wx", [True, False])
+@pytest.mark.parametrize("skinny", [True, False])
+def test_every_lm_head_path_equals_x_times_w_transposed(wx, skinny, monkeypatch):
+    """The float32 CPU LM head: skinny_linear (1-16 rows, kernels built), W @ x.T (other
+    small batches), x @ W.T (KVFLOW_LM_HEAD_WX=0): the same logits whichever runs."""
+    from types import SimpleNamespace
+
+    from kvflow.model import cpu_ops, llama
+    monkeypatch.setattr(llama, "_LM_HEAD_WX", wx)
+    w = torch.randn(300, 64)
+    head = SimpleNamespace(skinny=skinny and cpu_ops.available(), lm_weight=lambda: w)
+    for rows in (1, 3, 16, 20):
+        h = torch.randn(rows, 64)
+        got = llama.LlamaForCausalLM.compute_logits(head, h)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(h, w), rtol=1e-5, atol=1e-5)
