@@ -47,6 +47,8 @@ class NgramProposer:
             return {}
         out = {}
         for req in requests:
+            if req.sampling_params.needs_history:   # drafts would be verified without it
+                continue
             n = draft_room(req, k, self.max_model_len)
             drafts = self.lookup(req, n) if n else []
             if drafts:
