@@ -49,11 +49,7 @@ class InputProcessor:
             sp = dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + self.extra_eos)
         if sp.bad_words:
             sp = dataclasses.replace(sp, bad_words_token_ids=self._bad_words(sp.bad_words))
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in sp.token_ids_to_check() if t >= vocab), None)
-        if bad is not None:     # the sampler indexes logits with them
-            raise ValueError(f"token ids in stop_token_ids, logit_bias and allowed_token_ids "
-                             f"must be in [0, {vocab}), got {short_repr(bad)}")
+        sp.check_vocab(self.model_config.vocab_size)
         sp.check_seed()     # again: sp may have been changed since it was built
         max_tokens = sp.max_tokens if sp.max_tokens is not None else 1 << 62
         check_new_request(self.scheduler_config, request_id, len(ids), max_tokens)
