@@ -19,7 +19,7 @@ from kvflow.engine.outputs import (CompletionOutput, Logprob, PromptLogprobs, Re
                                   SampleLogprobs)
 from kvflow.engine.tokenizer import Tokenizer
 from kvflow.model.config import ModelConfig
-from kvflow.sampling_params import SamplingParams, short_repr
+from kvflow.sampling_params import SamplingParams
 
 
 class InputProcessor:
