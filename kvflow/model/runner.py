@@ -239,7 +239,7 @@ class ModelRunner:
         itself when no request asks for either."""
         if all(r.bias is None and r.slot is None for r in reqs):
             return logits
-        logits = logits.float()     # a copy: the raw logits still give the logprobs
+        logits = logits.to(torch.float32, copy=True)    # the raw logits give the logprobs
         bias_rows, biases, pen_rows, slots, params, o = [], [], [], [], [], 0
         for r, d in zip(reqs, drafts):
             if r.bias is not None:
