@@ -32,13 +32,16 @@ def _run(llm, sp, prompt=PROMPT):
     return llm.generate([prompt], sp, use_tqdm=False)[0]
 
 
-def test_sample_and_prompt_logprobs_equal_hf_log_softmax(llm, tiny_llama):
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_sample_and_prompt_logprobs_equal_hf_log_softmax(arch, request):
+    path = request.getfixturevalue(arch)
+    llm = LLM(path, dtype="float32", max_model_len=128, num_blocks=64, num_threads=1)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
                         prompt_logprobs=2)
     out = _run(llm, sp)
     c = out.outputs[0]
     full = PROMPT + c.token_ids
-    ref = _ref(tiny_llama, full)
+    ref = _ref(path, full)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
     for i, d in enumerate(out.prompt_logprobs[1:], start=1):
         assert abs(d[PROMPT[i]].logprob - ref[i - 1, PROMPT[i]].item()) < TOL
