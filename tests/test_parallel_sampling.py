@@ -115,6 +115,21 @@ def test_seeded_n_repeats_and_child_i_samples_with_seed_plus_i(llm):
         assert a[1].outputs[i].token_ids == one.outputs[0].token_ids
 
 
+def test_only_the_first_child_scores_the_prompt_so_the_others_share_its_blocks(llm):
+    """prompt_logprobs keep a request from reading the prefix cache (its logits are needed):
+    the first child alone asks for them, and the parent's output carries them."""
+    sched = llm.llm_engine.scheduler
+    bs = sched.config.block_size
+    prompt = [random.Random(2).randrange(3, 500) for _ in range(3 * bs + 5)]
+    hits0 = sched.prefix_cache_hits
+    (o,) = llm.generate([prompt], SamplingParams(n=3, max_tokens=2, prompt_logprobs=1),
+                        use_tqdm=False)
+    assert len(o.prompt_logprobs) == len(prompt) and o.prompt_logprobs[0] is None
+    assert sched.prefix_cache_hits - hits0 == 2 * 3 * bs
+    assert [child_sampling_params(SamplingParams(n=2, prompt_logprobs=1), i).prompt_logprobs
+            for i in range(2)] == [1, None]
+
+
 def test_child_seed_wraps_modulo_2_64_and_stays_valid():
     sp = child_sampling_params(SamplingParams(n=4, seed=SEED_MAX), 3)
     assert sp.n == 1 and sp.seed == SEED_MAX + 3 - (1 << 64)
@@ -236,6 +251,22 @@ def test_completions_n_returns_prompt_major_choices_and_counts_prompts_once(serv
     name = "vllm:request_success_total"
     assert metric(after, name, finished_reason="length") == \
         metric(before, name, finished_reason="length") + 12
+
+
+def test_n_with_logprobs_and_echo_gives_every_choice_its_own(server, client):
+    kw = dict(model="tiny", prompt=PROMPTS[0], n=2, max_tokens=4, temperature=1.0, seed=2,
+              logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    num_prompt = len(server.llm.tokenizer.encode(PROMPTS[0]))
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.text.startswith(PROMPTS[0])
+        assert len(c.logprobs.tokens) == num_prompt + 4
+        assert all(lp is not None for lp in c.logprobs.token_logprobs[-4:])
+    texts = ["", ""]
+    for ch in client.completions.create(**kw, stream=True):
+        texts[ch.choices[0].index] += ch.choices[0].text
+    assert texts == [c.text for c in r.choices]
 
 
 def test_chat_n_returns_n_choices_streamed_and_not(server, client):

@@ -8,7 +8,8 @@ other children take them as prefix-cache hits (block reference counts), so the p
 computed and stored once. Each child owns only its last, partial prompt block and its output.
 
 Child ids are f"{index}_{parent id}" and a seeded parent gives child i the seed + i (both as
-vLLM), so the n samples differ but a seeded request repeats.
+vLLM), so the n samples differ but a seeded request repeats. Only the first child computes
+prompt_logprobs, so that even then the others share its prompt blocks.
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
         seed += index
         if seed > SEED_MAX:     # wrap modulo 2**64, as torch does: still a valid seed
             seed -= 1 << 64
-    return dataclasses.replace(sp, n=1, seed=seed)
+    # Only the first child scores the prompt: a request with prompt_logprobs reads nothing from
+    # the prefix cache (its logits are needed), so the others could not share its blocks.
+    prompt_logprobs = sp.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def check_n(n, max_num_seqs: int) -> None:
@@ -55,7 +59,7 @@ class ParentRequest:
         self.pending = set(self.child_ids)      # children not finished yet
         self.outputs = [CompletionOutput(i, "", []) for i in range(n)]
         self.num_cached_tokens = 0
-        self.prompt_logprobs = None     # the same prompt's: any child's will do
+        self.prompt_logprobs = None     # the first child's (see child_sampling_params)
 
     @property
     def n(self) -> int:
