@@ -10,7 +10,9 @@ this process instead (InprocClient), where tests can reach into it with `call_in
 Outputs arrive on one client thread, step by step; that thread detokenizes and hands each
 request's output to its asyncio queue with one `loop.call_soon_threadsafe` per loop. A stream
 consumer that stops early (`RequestStream.close()`, a cancelled task, a closed generator) aborts
-its request: the core frees its blocks before its next step.
+its request: the core frees its blocks before its next step. A request with n > 1 runs as n
+child requests in the core (engine/parallel_sampling.py); its one stream yields all n
+completions as they progress, and closing it aborts every child.
 
 If the core dies (a failed step, a killed process), every stream ends with EngineDeadError,
 `is_running` turns False (the server's /health answers 503) and `on_engine_dead` callbacks run.
