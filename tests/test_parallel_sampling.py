@@ -251,6 +251,9 @@ def test_completions_n_returns_prompt_major_choices_and_counts_prompts_once(serv
     name = "vllm:request_success_total"
     assert metric(after, name, finished_reason="length") == \
         metric(before, name, finished_reason="length") + 12
+    for suffix, grew in (("_count", 4), ("_sum", 12)):     # and each parent once, with its n
+        assert metric(after, "vllm:request_params_n" + suffix) == \
+            metric(before, "vllm:request_params_n" + suffix) + grew
 
 
 def test_n_with_logprobs_and_echo_gives_every_choice_its_own(server, client):

@@ -65,6 +65,9 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Per finished request (a parent once all its children are): its n and its longest output.
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
 
 class _Stream:
@@ -272,7 +275,12 @@ class AsyncLLM:
             for o in results:
                 st = streams[o.request_id]
                 self._time_tokens(st, o, t1, stats)
-                out.append((st, self._parents.to_parent(o)))
+                item = self._parents.to_parent(o)
+                out.append((st, item))
+                if item.finished:
+                    stats.n_params.append(len(item.outputs))
+                    stats.max_num_generation_tokens.append(
+                        max(len(c.token_ids) for c in item.outputs))
                 if o.finished:
                     del streams[o.request_id]
                     stats.finished_requests.append(
