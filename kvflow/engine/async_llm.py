@@ -10,7 +10,9 @@ this process instead (InprocClient), where tests can reach into it with `call_in
 Outputs arrive on one client thread, step by step; that thread detokenizes and hands each
 request's output to its asyncio queue with one `loop.call_soon_threadsafe` per loop. A stream
 consumer that stops early (`RequestStream.close()`, a cancelled task, a closed generator) aborts
-its request: the core frees its blocks before its next step.
+its request: the core frees its blocks before its next step. A request with n > 1 runs as n
+child requests in the core (engine/parallel_sampling.py); its one stream yields all n
+completions as they progress, and closing it aborts every child.
 
 If the core dies (a failed step, a killed process), every stream ends with EngineDeadError,
 `is_running` turns False (the server's /health answers 503) and `on_engine_dead` callbacks run.
@@ -31,6 +33,7 @@ from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core_client import InprocClient, MPClient
 from kvflow.engine.messages import EngineCoreOutputs
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
+from kvflow.engine.parallel_sampling import ParentRequests
 from kvflow.engine.processor import InputProcessor, OutputProcessor
 from kvflow.engine.tokenizer import Tokenizer
 from kvflow.model.checkpoint import open_checkpoint
@@ -62,6 +65,9 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Per finished request (a parent once all its children are): its n and its longest output.
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
 
 class _Stream:
@@ -70,6 +76,8 @@ class _Stream:
 
     def __init__(self, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrival: float,
                  num_prompt_tokens: int):
+        # One per request the core runs: a parent's n children share its queue, and each is
+        # timed as a request of its own in the metrics (as vLLM counts them).
         self.queue, self.loop, self.arrival = queue, loop, arrival
         self.scheduled: float | None = None
         self.first_token: float | None = None
@@ -93,7 +101,8 @@ class AsyncLLM:
         t0 = time.perf_counter()
         self.stat_loggers: list = []
         self._lock = threading.Lock()       # streams and output processor: loop vs client thread
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}     # by the core's request id
+        self._parents = ParentRequests()            # n > 1
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self.step_error: BaseException | None = None     # what killed the engine core
@@ -154,20 +163,28 @@ class AsyncLLM:
         now = time.monotonic()
         reqs = [self.input_processor.process(rid, prompt, sp, now, prio)
                 for rid, prompt, sp, prio in items]
+        fans = [(text, *self._parents.fan_out(text, r)) for text, r in reqs]
         ids = [r.request_id for _, r in reqs]
-        if len(set(ids)) < len(ids):
+        # Each request claims its id, and a parent also its children's.
+        claimed = ids + [c.request_id for _, p, cs in fans if p is not None for c in cs]
+        if len(set(claimed)) < len(claimed):
             raise ValueError("request ids in one batch must be distinct")
         queues = [asyncio.Queue() for _ in items]
         with self._lock:
             self._check_running()
-            taken = next((rid for rid in ids if rid in self._streams), None)
+            taken = next((rid for rid in claimed
+                          if rid in self._streams or rid in self._parents), None)
             if taken is not None:
                 raise ValueError(f"request id {taken!r} is already in use")
-            for (text, r), q in zip(reqs, queues):
-                self.output_processor.add(text, r)
-                self._streams[r.request_id] = _Stream(q, loop, now, len(r.prompt_token_ids))
-        self.client.add([r for _, r in reqs])
-        return [RequestStream(self, rid, q) for rid, q in zip(ids, queues)]
+            for (text, parent, children), q in zip(fans, queues):
+                if parent is not None:
+                    self._parents.add(parent)
+                for r in children:
+                    self.output_processor.add(text, r)
+                    self._streams[r.request_id] = _Stream(q, loop, now, len(r.prompt_token_ids))
+        self.client.add([r for _, _, children in fans for r in children])    # one batch
+        return [RequestStream(self, rid, q, [c.request_id for c in children])
+                for rid, q, (_, _, children) in zip(ids, queues, fans)]
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
@@ -192,13 +209,15 @@ class AsyncLLM:
         now = time.monotonic()
         out, finished = [], []
         with self._lock:
-            live = [rid for rid in request_ids if rid in self._streams]
+            ids = self._parents.expand(request_ids)     # a parent's: all its children
+            live = [rid for rid in ids if rid in self._streams]
             self.output_processor.abort(live)
             for rid in live:
                 st = self._streams.pop(rid)
                 finished.append(_finished_stats(st, "abort", now))
+                item = self._parents.to_parent(_aborted_output(rid, st))
                 if notify:
-                    out.append((st, _aborted_output(rid, st)))
+                    out.append((st, item))
         if live and self._dead is None:
             self.client.abort(live)
         self._send(out)
@@ -256,7 +275,12 @@ class AsyncLLM:
             for o in results:
                 st = streams[o.request_id]
                 self._time_tokens(st, o, t1, stats)
-                out.append((st, o))
+                item = self._parents.to_parent(o)
+                out.append((st, item))
+                if item.finished:
+                    stats.n_params.append(len(item.outputs))
+                    stats.max_num_generation_tokens.append(
+                        max(len(c.token_ids) for c in item.outputs))
                 if o.finished:
                     del streams[o.request_id]
                     stats.finished_requests.append(
@@ -315,14 +339,17 @@ class AsyncLLM:
             out = [(st, err) for st in self._streams.values()]
             self.output_processor.abort(list(self._streams))
             self._streams.clear()
+            self._parents = ParentRequests()
         self._send(out)
 
 
 class RequestStream:
     """The async iterator of one request's cumulative outputs (see AsyncLLM.add_request)."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str, queue: asyncio.Queue,
+                 core_ids: list[str] | None = None) -> None:
         self.owner, self.request_id, self.queue = owner, request_id, queue
+        self.core_ids = core_ids or [request_id]    # n > 1: the children the core runs
         self.finished = False
 
     def __aiter__(self) -> "RequestStream":
@@ -345,7 +372,7 @@ class RequestStream:
         """Abort the request unless it already finished. Idempotent."""
         if not self.finished:
             self.finished = True
-            self.owner._abort((self.request_id,), False)
+            self.owner._abort(self.core_ids, False)
 
 
 def _aborted_output(rid: str, st: _Stream) -> RequestOutput:

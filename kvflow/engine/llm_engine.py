@@ -9,6 +9,7 @@ from kvflow.core import RequestStatus
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
 from kvflow.engine.outputs import RequestOutput
+from kvflow.engine.parallel_sampling import ParentRequests
 from kvflow.engine.processor import InputProcessor, OutputProcessor
 from kvflow.engine.tokenizer import Tokenizer
 from kvflow.model.checkpoint import open_checkpoint
@@ -26,6 +27,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, core.model_config,
                                               core.scheduler_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.parent_requests = ParentRequests()     # n > 1: children run in the core
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.load_time = time.perf_counter() - t0
@@ -50,11 +52,20 @@ class LLMEngine:
                     priority: int = 0) -> None:
         text, req = self.input_processor.process(request_id, prompt, sampling_params,
                                                  arrival_time, priority)
-        self.output_processor.add(text, req)
-        self.engine_core.add_request(req)
+        parent, reqs = self.parent_requests.fan_out(text, req)
+        states = self.output_processor.states
+        if request_id in self.parent_requests or any(r.request_id in states
+                                                     for r in [req, *reqs]):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if parent is not None:
+            self.parent_requests.add(parent)
+        for r in reqs:      # all before the next step: the children share the prompt's blocks
+            self.output_processor.add(text, r)
+            self.engine_core.add_request(r)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = self.parent_requests.abort(ids)      # a parent's: all its children
         self.engine_core.abort_requests(ids)
         self.output_processor.abort(ids)
 
@@ -72,4 +83,4 @@ class LLMEngine:
         results, stopped = self.output_processor.process(outs.outputs)
         if stopped:     # by a stop string (or its detokenizer failed): the core lets go now
             self.engine_core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return results
+        return self.parent_requests.process(results)

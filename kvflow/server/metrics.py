@@ -17,7 +17,8 @@ engine thread once per iteration (prometheus_client metrics are thread-safe). Wh
   tokens for a request, the time since its previous such step), e2e latency, queue time
   (arrival -> start of the first step that scheduled it), prefill/decode/inference time, time per
   output token, prompt and generation lengths. Aborted requests are left out of the latency
-  histograms, as in vLLM;
+  histograms, as in vLLM. With n > 1 each child counts as a request there (as in vLLM), and
+  vllm:request_params_n / vllm:request_max_num_generation_tokens count the parent once;
 - with speculative decoding: vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
   vllm:spec_decode_num_accepted_tokens and vllm:spec_decode_num_accepted_tokens_per_pos{position}.
 """
@@ -90,6 +91,10 @@ class PrometheusStatLogger:
                                TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Output length per request.",
                             TOKEN_BUCKETS)
+        self.params_n = hist("vllm:request_params_n", "The n of finished requests.",
+                             [1, 2, 5, 10, 20])
+        self.max_gen = hist("vllm:request_max_num_generation_tokens",
+                            "Longest output of each finished request's n.", TOKEN_BUCKETS)
         self._last = (0,) * 6       # cumulative scheduler counters seen so far
         self.spec_drafts = counter("vllm:spec_decode_num_drafts",
                                    "Requests verified with draft tokens, counted per step.")
@@ -134,6 +139,9 @@ class PrometheusStatLogger:
             self.ttft.observe(t)
         for t in s.inter_token_latencies:
             self.itl.observe(t)
+        for n, m in zip(s.n_params, s.max_num_generation_tokens):
+            self.params_n.observe(n)
+            self.max_gen.observe(m)
         for f in s.finished_requests:
             self.success[f.finish_reason if f.finish_reason in self.success else "stop"].inc()
             if f.finish_reason == "abort":

@@ -2,9 +2,9 @@
 
 Types are strict: `"max_tokens": "16"` is a 400, not a silent coercion. Unknown fields are
 ignored (OpenAI clients send fields kvflow does not use); fields kvflow knows but does not
-implement are rejected when they ask for something other than the default (e.g. n=2). Integers
-must fit in int64 and numbers must be finite (as vLLM's bounds), so no huge or infinite value
-reaches torch.
+implement are rejected when they ask for something other than the default (e.g. best_of=2).
+Integers must fit in int64 and numbers must be finite (as vLLM's bounds), so no huge or infinite
+value reaches torch.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 import jinja2
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kvflow.engine.outputs import RequestOutput
+from kvflow.engine.outputs import CompletionOutput, RequestOutput
+from kvflow.engine.parallel_sampling import check_n
 from kvflow.sampling_params import SamplingParams, short_repr
 from kvflow.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
@@ -65,11 +66,13 @@ class OpenAIServing:
                                 f"{', '.join(self.model_names)}", "model", code="model_not_found")
 
     def _check_unsupported(self, req) -> None:
-        if req.n != 1:
-            raise ApiError(400, f"n must be 1 (kvflow returns one choice per prompt), got {req.n}",
-                           "n")
-        if req.best_of not in (None, 1):
-            raise ApiError(400, "best_of is not supported", "best_of")
+        try:
+            check_n(req.n, self.llm.scheduler_config.max_num_seqs)
+        except ValueError as e:
+            raise ApiError(400, str(e), "n") from None
+        if req.best_of not in (None, 1):        # as vLLM V1, which dropped it
+            raise ApiError(400, "best_of is not supported (as in vLLM V1); use n for several "
+                                "samples", "best_of")
         if isinstance(req, ChatCompletionRequest):
             if req.echo:
                 raise ApiError(400, "echo is not supported for chat completions", "echo")
@@ -98,7 +101,7 @@ class OpenAIServing:
         if max_tokens is None:
             room = self.max_model_len - longest
             max_tokens = room if default_max is None else min(default_max, room)
-        kw = dict(max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+        kw = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
                   stop=req.stop if req.stop is not None else [],
                   stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                   logprobs=_num_logprobs(req))
@@ -162,13 +165,13 @@ class OpenAIServing:
             return SSEStream(self._stream(streams, meta, "text_completion", inc, sp, chat=False,
                                           echo=req.echo), streams)
         outs = await _collect(streams)
-        choices = [self._completion_choice(i, o, sp, req.echo) for i, o in enumerate(outs)]
+        choices = [self._completion_choice(i * sp.n + c.index, o, c, sp, req.echo)
+                   for i, o in enumerate(outs) for c in o.outputs]    # as vLLM: prompt-major
         return {**meta, "object": "text_completion", "choices": choices,
                 "usage": _usage(outs)}
 
-    def _completion_choice(self, i: int, o: RequestOutput, sp: SamplingParams,
-                           echo: bool) -> dict:
-        c = o.outputs[0]
+    def _completion_choice(self, i: int, o: RequestOutput, c: CompletionOutput,
+                           sp: SamplingParams, echo: bool) -> dict:
         text, lps = c.text, None
         if echo:
             prompt = self._prompt_text(o)
@@ -207,14 +210,8 @@ class OpenAIServing:
             return SSEStream(self._stream(streams, meta, "chat.completion.chunk", inc, sp,
                                           chat=True), streams)
         outs = await _collect(streams)
-        c = outs[0].outputs[0]
-        lps = (chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
-               if sp.logprobs is not None else None)
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if sp.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(outs[0].prompt_logprobs)
-        return {**meta, "object": "chat.completion", "choices": [choice],
+        return {**meta, "object": "chat.completion",
+                "choices": [_chat_choice(outs[0], c, sp) for c in outs[0].outputs],
                 "usage": _usage(outs)}
 
     def render_chat(self, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
@@ -243,9 +240,7 @@ class OpenAIServing:
     async def _stream(self, streams: list[RequestStream], meta: dict, obj: str,
                       include_usage: bool, sp: SamplingParams, chat: bool,
                       echo: bool = False) -> AsyncIterator[str]:
-        holdback = max((len(s) for s in sp.stop), default=1) - 1
-        sent = [0] * len(streams)           # characters sent, per choice
-        sent_toks = [0] * len(streams)      # tokens whose logprobs are sent
+        n = sp.n        # choice k = stream i's completion j: i * n + j (chat: one stream)
         finals: list[RequestOutput | None] = [None] * len(streams)
         extra = {"usage": None} if include_usage else {}
         chunk = _ChunkMaker(meta, obj, chat, extra, sp, self.tokenizer)
@@ -253,27 +248,21 @@ class OpenAIServing:
         try:
             first = True
             async for i, out in _merge(streams):
-                if chat and first:      # as vLLM: the role chunk comes with the first output
+                if chat and first:      # as vLLM: the role chunks come with the first output
                     first = False
-                    yield chunk.role()
+                    for k in range(n):
+                        yield chunk.role(k)
                 _raise_if_failed(out)
-                c = out.outputs[0]
                 if i in to_echo:
                     to_echo.discard(i)
-                    yield chunk.echo(i, out, self._prompt_text(out))
-                end = len(c.text) if out.finished else max(len(c.text) - holdback, sent[i])
-                delta = c.text[sent[i]:end]
-                sent[i] = end
-                if out.finished or delta:
-                    lps = c.logprobs[sent_toks[i]:] if c.logprobs is not None else None
-                    sent_toks[i] = len(c.token_ids)
-                    toks = c.token_ids[len(c.token_ids) - len(lps):] if lps is not None else []
+                    for k in range(i * n, i * n + n):
+                        yield chunk.echo(k, out, self._prompt_text(out))
                 if out.finished:
                     finals[i] = out
-                    yield chunk(i, delta if delta or not chat else None, lps, toks,
-                                c.finish_reason, c.stop_reason)
-                elif delta:
-                    yield chunk(i, delta, lps, toks)
+                for c in out.outputs:
+                    text = chunk.delta(i * n + c.index, c)
+                    if text is not None:
+                        yield text
             if include_usage:
                 yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
         except EngineDeadError as e:
@@ -293,6 +282,29 @@ class _ChunkMaker:
                  tokenizer) -> None:
         self.meta, self.obj, self.chat, self.extra = meta, obj, chat, extra
         self.sp, self.tokenizer = sp, tokenizer
+        self.holdback = max((len(s) for s in sp.stop), default=1) - 1
+        self.sent: dict[int, int] = {}          # characters sent, per choice
+        self.sent_toks: dict[int, int] = {}     # tokens whose logprobs are sent, per choice
+        self.done: set[int] = set()             # choices whose last chunk is sent
+
+    def delta(self, k: int, c: CompletionOutput) -> str | None:
+        """Choice k's chunk with what `c` adds since the last one, or None if nothing."""
+        if k in self.done:
+            return None
+        sent, fin = self.sent.get(k, 0), c.finished()
+        end = len(c.text) if fin else max(len(c.text) - self.holdback, sent)
+        text = c.text[sent:end]
+        self.sent[k] = end
+        if not fin and not text:
+            return None
+        lps = c.logprobs[self.sent_toks.get(k, 0):] if c.logprobs is not None else None
+        self.sent_toks[k] = len(c.token_ids)
+        toks = c.token_ids[len(c.token_ids) - len(lps):] if lps is not None else []
+        if not fin:
+            return self(k, text, lps, toks)
+        self.done.add(k)
+        return self(k, text if text or not self.chat else None, lps, toks, c.finish_reason,
+                    c.stop_reason)
 
     def __call__(self, i: int, text: str | None, lps, toks: list[int],
                  finish: str | None = None, stop_reason=None) -> str:
@@ -307,9 +319,9 @@ class _ChunkMaker:
             c["stop_reason"] = stop_reason
         return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
 
-    def role(self) -> str:
+    def role(self, i: int) -> str:
         return _sse({**self.meta, "object": self.obj, "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""},
+            {"index": i, "delta": {"role": "assistant", "content": ""},
              "logprobs": None, "finish_reason": None}], **self.extra})
 
     def echo(self, i: int, out: RequestOutput, prompt: str) -> str:
@@ -322,6 +334,16 @@ class _ChunkMaker:
         return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
 
 
+def _chat_choice(o: RequestOutput, c: CompletionOutput, sp: SamplingParams) -> dict:
+    lps = chat_logprobs(c.logprobs, c.token_ids, sp.logprobs or 0) \
+        if sp.logprobs is not None else None
+    choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+              "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if sp.prompt_logprobs is not None and o.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
+    return choice
+
+
 def _num_logprobs(req) -> int | None:
     """SamplingParams.logprobs: completions give the number; chat a flag and top_logprobs."""
     if isinstance(req, ChatCompletionRequest):
@@ -332,8 +354,8 @@ def _num_logprobs(req) -> int | None:
 def _raise_if_failed(out: RequestOutput) -> None:
     """A request the engine failed alone (finish_reason "error"; the engine goes on): a 400
     naming the field when its input was at fault (a ValueError), else a 500 saying so."""
-    c = out.outputs[0]
-    if c.finish_reason != "error":
+    c = next((c for c in out.outputs if c.finish_reason == "error"), None)
+    if c is None:
         return
     err = c.error
     if isinstance(err, ValueError):
@@ -347,8 +369,9 @@ def _sse(obj: dict) -> str:
 
 
 def _usage(outs: list[RequestOutput | None]) -> dict:
+    # As vLLM: a prompt counts once however many completions (n) it has.
     p = sum(len(o.prompt_token_ids) for o in outs if o is not None)
-    c = sum(len(o.outputs[0].token_ids) for o in outs if o is not None)
+    c = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
     return usage(p, c)
 
 
