@@ -14,6 +14,7 @@ import torch
 from kvflow.core.outputs import NewRequestData, SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
+from kvflow.model.grammar import apply_grammar_bitmask
 from kvflow.model.h2d import upload
 from kvflow.model.sampler import Sampler
 from kvflow.sampling_params import SamplingParams, short_repr
@@ -276,7 +277,9 @@ class ModelRunner:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        return self.sample(self.model.compute_logits(hidden), st.sample_reqs, st.drafts)
+        logits = self.model.compute_logits(hidden)
+        apply_grammar_bitmask(logits, so, st.sample_reqs, st.drafts)
+        return self.sample(logits, st.sample_reqs, st.drafts)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without

@@ -79,6 +79,7 @@ class _SamplingFields(BaseModel):
     bad_words: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
+    # Structured outputs: read and checked by kvflow/server/structured.py, not refused.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -140,8 +141,7 @@ class ErrorResponse(BaseModel):
 # Field -> the values that ask for nothing (None always does); anything else is a 400.
 UNSUPPORTED = {
     "logit_bias": ({},), "min_p": (0, 0.0), "bad_words": ([],), "allowed_token_ids": (),
-    "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (), "response_format": ({"type": "text"},),
+    "prompt_logprobs": (0,),
     "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",),
 }

@@ -21,6 +21,7 @@ from kvflow.engine.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, short_repr
 from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
                                      CompletionRequest, usage)
+from kvflow.server.structured import check_structured_outputs, structured_outputs_of
 
 
 class SSEStream:
@@ -95,7 +96,8 @@ class OpenAIServing:
             max_tokens = room if default_max is None else min(default_max, room)
         kw = dict(max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
                   stop=req.stop if req.stop is not None else [],
-                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                  structured_outputs=structured_outputs_of(req))
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -148,6 +150,7 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(x) for x in raw_prompts])
         sp = self._sampling_params(req, req.max_tokens, 16, [len(ids) for _, ids in prompts],
                                    "prompt")
+        await check_structured_outputs(self.llm, req, sp)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(rid, prompts, sp, req.priority)
         meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
@@ -174,6 +177,7 @@ class OpenAIServing:
             raise ApiError(400, f"max_completion_tokens must be an int >= 1, got "
                                 f"{req.max_completion_tokens}", "max_completion_tokens")
         sp = self._sampling_params(req, max_tokens, None, [len(ids)], "messages")
+        await check_structured_outputs(self.llm, req, sp)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(rid, [(text, ids)], sp, req.priority)
         meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
