@@ -10,6 +10,7 @@ so a bad schema is refused before the request travels.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import torch
@@ -99,6 +100,9 @@ class StructuredOutputManager:
         info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
         self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        # Bitmask filling runs between forward passes, when the model's threads are idle.
+        threads = max(1, min(max_threads, (os.cpu_count() or 2) // 2))
+        self._batch = xgr.BatchGrammarMatcher(threads)
 
     def compile(self, so: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """ValueError naming the field if xgrammar refuses it (parsed first: the compiler's
@@ -118,10 +122,11 @@ class StructuredOutputManager:
         if not request_ids:
             return None
         bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
-        for i, rid in enumerate(request_ids):
-            m = self.matchers[rid]
-            if not m.is_terminated():   # (never scheduled so: the core finishes it first)
-                m.fill_next_token_bitmask(bitmask, i)
+        # One call for the batch: ~3x cheaper than a Python loop over the matchers, even on one
+        # thread (benchmarks/structured_output_cost.py). No matcher here has ended: the core
+        # finishes a request in the step its grammar ends.
+        self._batch.batch_fill_next_token_bitmask([self.matchers[r] for r in request_ids],
+                                                  bitmask)
         return bitmask
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> tuple[int, bool]:
