@@ -19,7 +19,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.core.outputs import SchedulerOutput
 from kvflow.engine.messages import EngineCoreRequest
 from kvflow.model.grammar import apply_grammar_bitmask
-from kvflow.sampling_params import StructuredOutputsParams as SO
+from kvflow import StructuredOutputsParams as SO
 from server_helpers import running_server, wait_idle
 
 # Enums, booleans, bounded integers, a small object and a short array: every value is bounded,
@@ -238,7 +238,7 @@ def test_structured_outputs_travel_to_an_engine_core_process_intact():
     assert back.sampling_params.structured_outputs == SO(json=SCHEMA)
 
 
-# ---- the server, through the openai client --------------------------------------------------------
+# ---- the server, through the openai client ------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     with running_server(tiny_llama) as s:
