@@ -148,6 +148,33 @@ def test_min_tokens_past_the_grammars_end_stops_at_the_end(llm):
         assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in ("yes", "no")
 
 
+def test_penalties_bias_and_logprobs_keep_to_the_grammar(llm):
+    """Bias and penalties come after the mask: a disallowed token stays at -inf even when biased
+    up; logprobs (after the mask, as in vLLM) are finite for every chosen token."""
+    tok = llm.get_tokenizer()
+    biased = {t: 100.0 for t in tok.encode("zebra quiet")}
+    sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, repetition_penalty=1.3,
+                          presence_penalty=1.0, logit_bias=biased, logprobs=2,
+                          structured_outputs=SO(json=SCHEMA)) for i in range(6)]
+    for o in llm.generate(prompts(6), sps, use_tqdm=False):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop"
+        assert_valid(c.text)
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp[t].logprob > float("-inf") for lp, t in zip(c.logprobs, c.token_ids))
+
+
+def test_allowed_token_ids_that_exclude_the_grammar_fail_that_request_alone(llm):
+    tok = llm.get_tokenizer()
+    sps = [SamplingParams(temperature=0, max_tokens=20, allowed_token_ids=tok.encode("xyz"),
+                          structured_outputs=SO(choice=["yes", "no"])),
+           SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(choice=["ok"]))]
+    bad, good = llm.generate(PROMPTS[:2], sps, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error"
+    assert "structured_outputs" in str(bad.outputs[0].error)
+    assert good.outputs[0].text == "ok" and good.outputs[0].finish_reason == "stop"
+
+
 def test_a_grammar_xgrammar_refuses_fails_that_request_alone(llm):
     sps = [SamplingParams(max_tokens=8, structured_outputs=SO(regex="a(b")),
            SamplingParams(temperature=0, max_tokens=8),
