@@ -354,3 +354,18 @@ def test_a_bad_structured_output_is_a_400_naming_the_field(client, server, strea
     assert r.choices[0].text in ("still", "serving")
     st = wait_idle(server.llm)
     assert st["grammars"] == st["unfinished"] == 0 and st["free_blocks"] == st["num_blocks"]
+
+
+def test_an_engine_core_in_its_own_process_compiles_and_refuses_grammars(tiny_llama):
+    """The grammar crosses the process boundary twice: the server's check (a utility call whose
+    argument arrives as a plain dict) and the request itself (msgspec)."""
+    with running_server(tiny_llama, multiprocess=True) as s:
+        c = openai.OpenAI(api_key="none", base_url=s.url + "/v1", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=120, seed=1,
+                                      response_format=RESPONSE_FORMAT)
+        assert_valid(r.choices[0].message.content)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="Hi", max_tokens=5,
+                                 extra_body={"guided_regex": "a(b"})
+        assert e.value.body["param"] == "guided_regex"
+        assert wait_idle(s.llm)["grammars"] == 0
