@@ -5,10 +5,10 @@ import os
 # (BENCHMARKS.md, "Design choices measured"). Set before torch loads libgomp; the user's wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from kvflow.sampling_params import SamplingParams  # noqa: E402
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "SamplingParams"]
+           "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

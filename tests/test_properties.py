@@ -20,7 +20,7 @@ from collections import Counter
 from hypothesis import HealthCheck, event, given, note, settings, target
 from hypothesis import strategies as st
 
-from kvflow import SamplingParams
+from kvflow import SamplingParams, StructuredOutputsParams
 from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
 
 VOCAB = 4                       # tiny vocabulary: prefixes are shared all the time
@@ -95,8 +95,11 @@ def draw_sampling(data, long_running: bool = False, config: SchedulerConfig | No
         ignore_eos = data.draw(st.booleans(), label="ignore_eos")
         stop_ids = data.draw(st.one_of(st.just([]), st.lists(st.integers(0, VOCAB + 2),
                                                              max_size=2)), label="stop_ids")
+    # A grammar changes nothing the scheduler decides; it only asks for a bitmask row.
+    grammar = StructuredOutputsParams(regex="a+") if data.draw(st.booleans(),
+                                                               label="grammar") else None
     sp = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                        stop_token_ids=stop_ids, temperature=0.0)
+                        stop_token_ids=stop_ids, temperature=0.0, structured_outputs=grammar)
     return sp, eos
 
 
@@ -506,6 +509,8 @@ class Harness:
         s = self.sched
         sampling = [rid for rid in so.num_scheduled_tokens
                     if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens]
+        assert so.structured_output_request_ids == [
+            rid for rid in sampling if s.requests[rid].use_structured_output]
         sampled = self.sample(so, sampling)
         if abort_mid is not None:
             # an abort that arrives while the step runs: its late output is dropped
@@ -586,6 +591,7 @@ def check_state(h: Harness) -> None:
     assert set(run_ids) | set(wait_ids) == set(s.requests) == set(h.live)
     assert len(run_ids) + len(wait_ids) == len(s.requests) == s.get_num_unfinished_requests()
     assert s.has_unfinished_requests() == bool(h.live)
+    assert s._num_structured == sum(r.use_structured_output for r in s.requests.values())
     assert len(running) <= c.max_num_seqs
     for r in running:
         assert s.requests[r.request_id] is r and r.status == RequestStatus.RUNNING

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -55,6 +56,14 @@ class SchedulerOutput:
     later in the same step may hit blocks whose K/V this very step computes (as in vLLM). An
     executor must therefore write every scheduled token's K/V for a layer before any attention
     of that layer reads the cache.
+
+    Structured outputs (vLLM's fields): `structured_output_request_ids` are the scheduled
+    requests with a grammar that sample a token this step (their scheduled tokens reach the end
+    of their sequence; they never verify drafts), in the order of `grammar_bitmask`'s rows. The
+    scheduler fills the ids; the engine core then sets `grammar_bitmask`, an int32 tensor
+    [len(ids), ceil(vocab_size / 32)] whose bit j of word w allows token 32 * w + j (None when
+    no id). The runner sets every disallowed logit of those requests' rows to -inf before
+    sampling. The tensor is in-process only: a runner in another process would get it sent.
     """
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
@@ -68,6 +77,8 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     # Draft tokens to verify, by request: its scheduled tokens end with them (vLLM's name).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

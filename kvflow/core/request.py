@@ -41,7 +41,8 @@ class Request:
                  "arrival_time", "priority", "status", "output_token_ids", "all_token_ids",
                  "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "num_preemptions", "stop_reason", "block_hashes", "max_tokens", "min_tokens",
-                 "stop_eos", "stop_token_set", "seq_no", "spec_token_ids", "ngram_index")
+                 "stop_eos", "stop_token_set", "seq_no", "spec_token_ids", "ngram_index",
+                 "use_structured_output")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *, eos_token_id: int | None = None,
@@ -83,6 +84,9 @@ class Request:
         # all_token_ids (so never hashed into the prefix cache).
         self.spec_token_ids: list[int] = []
         self.ngram_index = None     # the n-gram proposer's per-request index, built lazily
+        # A grammar constrains its tokens: the engine core fills a bitmask row for it in each
+        # step that samples it (vLLM's name).
+        self.use_structured_output = sp.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.spec_stats = SpecDecodingStats()
+        self._num_structured = 0    # unfinished requests with a grammar: none, no scan
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -56,6 +57,7 @@ class Scheduler:
         self._num_added += 1
         request.seq_no = self._num_added
         self.requests[rid] = request
+        self._num_structured += request.use_structured_output
         self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -81,6 +83,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
+        self._num_structured -= req.use_structured_output
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -186,8 +189,17 @@ class Scheduler:
             block_ids=block_ids,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self._num_structured:
+            out.structured_output_request_ids = self._sampling_structured(num_scheduled)
         self.finished_req_ids = set()
         return out
+
+    def _sampling_structured(self, num_scheduled: dict[str, int]) -> list[str]:
+        """The scheduled requests with a grammar that sample this step (their computed tokens
+        reach their last token: a prefill chunk short of it samples nothing)."""
+        reqs = self.requests
+        return [rid for rid in num_scheduled if reqs[rid].use_structured_output
+                and reqs[rid].num_computed_tokens >= len(reqs[rid].all_token_ids)]
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:

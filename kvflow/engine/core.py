@@ -6,8 +6,10 @@ EngineCoreOutputs. Text (tokenizer, detokenizer, stop strings) is the frontend's
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,9 @@ from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
 from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
 from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
+
+if TYPE_CHECKING:
+    from kvflow.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,10 @@ class EngineCore:
         self.runner = _make_runner(args, model, cfg, dtype, backend, device,
                                    self.scheduler_config)
         self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
+        # Made at the first request with a grammar (engines without any pay nothing); the
+        # checkpoint is kept for its tokenizer, not its weights.
+        self.structured_output_manager = None
+        self._tokenizer_ckpt = dataclasses.replace(ckpt, weights=None)
         self.load_time = time.perf_counter() - t0
 
     def ready_message(self) -> Ready:
@@ -56,9 +65,17 @@ class EngineCore:
         """The frontend validated r; a refusal here is a bug, reported as that request's error."""
         try:
             self.runner.check_sampling_params(r.sampling_params)
-            self.scheduler.add_request(Request(
-                r.request_id, r.prompt_token_ids, r.sampling_params,
-                eos_token_id=r.eos_token_id, arrival_time=r.arrival_time, priority=r.priority))
+            grammar = r.sampling_params.structured_outputs
+            if grammar is not None:     # compiled first: a grammar xgrammar refuses is a ValueError
+                self._structured_outputs().add_request(r.request_id, grammar)
+            try:
+                self.scheduler.add_request(Request(
+                    r.request_id, r.prompt_token_ids, r.sampling_params,
+                    eos_token_id=r.eos_token_id, arrival_time=r.arrival_time,
+                    priority=r.priority))
+            except ValueError:
+                self._release_grammars((r.request_id,))
+                raise
         except ValueError as e:
             logger.error("request %s refused: %s", r.request_id, e)
             self._errors.append(EngineCoreOutput(r.request_id, [], "error", error=str(e),
@@ -68,6 +85,7 @@ class EngineCore:
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
         self.runner.release(request_ids)
+        self._release_grammars(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._errors)
@@ -80,16 +98,22 @@ class EngineCore:
         if not sched.has_unfinished_requests():
             return EngineCoreOutputs(outputs, sched.make_stats(), t0, t0)
         so = sched.schedule()
+        if so.structured_output_request_ids:
+            so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                so.structured_output_request_ids)
         sampled = self.runner.execute_model(so)
         new_ids = so.scheduled_new_req_ids
         num_prompt = sum(sched.requests[rid].num_prompt_tokens for rid in new_ids)
         for rid, err in self.runner.take_failed().items():
             outputs.append(self._fail_request(rid, err))
         outs = sched.update_from_output(so, sampled)
+        if self.structured_output_manager is not None and so.structured_output_request_ids:
+            outs = self._advance_grammars(outs)
         self._attach_logprobs(outs)
         finished = [o.request_id for o in outs if o.finish_reason is not None]
         if finished:
             self.runner.release(finished)
+            self._release_grammars(finished)
         if self.proposer is not None:
             sched.update_draft_token_ids(self.proposer.propose(sched.running, len(sched.running)))
         outputs += outs
@@ -111,16 +135,73 @@ class EngineCore:
         logger.error("request %s failed: %r", rid, err, exc_info=err)
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
         self.runner.release((rid,))
+        self._release_grammars((rid,))
         return EngineCoreOutput(rid, [], "error", error=f"{type(err).__name__}: {err}"
                                 if not isinstance(err, ValueError) else str(err),
                                 error_is_input=isinstance(err, ValueError))
 
+    # ---- structured outputs ---------------------------------------------------------------
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self.structured_output_manager is None:
+            from kvflow.engine.structured_output import StructuredOutputManager
+            from kvflow.engine.tokenizer import Tokenizer
+            tok = Tokenizer.from_checkpoint(self._tokenizer_ckpt)
+            cfg = self.model_config
+            stops = list(dict.fromkeys(
+                ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+                + list(cfg.eos_token_ids)))
+            self.structured_output_manager = StructuredOutputManager(tok, cfg.vocab_size,
+                                                                     stops)
+        return self.structured_output_manager
+
+    def _release_grammars(self, request_ids) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_requests(request_ids)
+
+    def _advance_grammars(self, outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Feed each structured request's new tokens to its matcher. A grammar that has ended
+        ends its request ("stop") even where the scheduler would go on (ignore_eos, a stop
+        token banned below min_tokens left no allowed token): its output is complete. A token
+        the grammar refuses before that (only when every allowed token was also banned, e.g. by
+        allowed_token_ids) is dropped and fails the request alone."""
+        mgr = self.structured_output_manager
+        result = []
+        for o in outs:
+            rid = o.request_id
+            if rid not in mgr.matchers:
+                result.append(o)
+                continue
+            n, ended = mgr.accept_tokens(rid, o.new_token_ids)
+            if n < len(o.new_token_ids) and not ended:
+                result.append(self._fail_request(rid, ValueError(
+                    f"structured_outputs: no token is allowed by both the grammar and the other "
+                    f"sampling parameters after {len(o.new_token_ids) - 1} tokens")))
+                continue
+            del o.new_token_ids[n:]
+            if ended and o.finish_reason is None:
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+                o.finish_reason = "stop"
+            result.append(o)
+        return result
+
     # ---- utilities (callable by name from the frontend) --------------------------------------
+    def check_structured_outputs(self, so: dict) -> str | None:
+        """Compile a grammar for the frontend (the server, before it answers 200): None, or
+        why it cannot be used. The compiler's cache keeps it for the request that follows."""
+        from kvflow.sampling_params import StructuredOutputsParams
+        try:
+            self._structured_outputs().compile(
+                so if isinstance(so, StructuredOutputsParams) else StructuredOutputsParams(**so))
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return None
+
     def kv_state(self) -> dict:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting),
                 "unfinished": len(s.requests), "runner_requests": len(self.runner.requests),
                 "free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+                "grammars": len(m.matchers) if (m := self.structured_output_manager) else 0,
                 "num_blocks": self.scheduler_config.num_blocks}
 
     def reset_prefix_cache(self) -> bool:

@@ -118,7 +118,7 @@ def _utility(core, method: str, args) -> object:
     return getattr(core, method)(*args)
 
 
-UTILITIES = frozenset({"kv_state", "reset_prefix_cache"})
+UTILITIES = frozenset({"kv_state", "reset_prefix_cache", "check_structured_outputs"})
 
 
 def _core_env() -> dict:

@@ -14,6 +14,7 @@ import torch
 from kvflow.core.outputs import NewRequestData, SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
+from kvflow.model.grammar import apply_grammar_bitmask
 from kvflow.model.h2d import upload
 from kvflow.model.logits_processors import TokenCounts, bad_word_bans, static_bias
 from kvflow.model.logprobs import LogprobEntry, token_logprobs
@@ -390,6 +391,7 @@ class ModelRunner:
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
         logits = self.model.compute_logits(hidden[:len(st.logits_rows)] if st.prompt_rows
                                            else hidden)
+        apply_grammar_bitmask(logits, so, st.sample_reqs, st.drafts)
         return self.sample(logits, st.sample_reqs, st.drafts)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:

@@ -83,6 +83,7 @@ class _SamplingFields(BaseModel):
     use_beam_search: Any = None
     length_penalty: Any = None
     return_tokens_as_token_ids: Any = None
+    # Structured outputs: read and checked by kvflow/server/structured.py, not refused.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -146,8 +147,6 @@ class ErrorResponse(BaseModel):
 
 # Field -> the values that ask for nothing (None always does); anything else is a 400.
 UNSUPPORTED = {
-    "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "truncate_prompt_tokens": (), "use_beam_search": (False,),

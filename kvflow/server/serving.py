@@ -23,6 +23,7 @@ from kvflow.sampling_params import SamplingParams, short_repr
 from kvflow.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
                                      CompletionRequest, usage)
+from kvflow.server.structured import check_structured_outputs, structured_outputs_of
 
 
 class SSEStream:
@@ -104,7 +105,7 @@ class OpenAIServing:
         kw = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
                   stop=req.stop if req.stop is not None else [],
                   stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                  logprobs=_num_logprobs(req))
+                  logprobs=_num_logprobs(req), structured_outputs=structured_outputs_of(req))
         for name in _PASSED:
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -157,6 +158,7 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(x) for x in raw_prompts])
         sp = self._sampling_params(req, req.max_tokens, 16, [len(ids) for _, ids in prompts],
                                    "prompt")
+        await check_structured_outputs(self.llm, req, sp)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(rid, prompts, sp, req.priority)
         meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
@@ -202,6 +204,7 @@ class OpenAIServing:
             raise ApiError(400, f"max_completion_tokens must be an int >= 1, got "
                                 f"{req.max_completion_tokens}", "max_completion_tokens")
         sp = self._sampling_params(req, max_tokens, None, [len(ids)], "messages")
+        await check_structured_outputs(self.llm, req, sp)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(rid, [(text, ids)], sp, req.priority)
         meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
