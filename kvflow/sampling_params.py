@@ -180,14 +180,13 @@ class SamplingParams:
                               not all(isinstance(w, str) and w for w in b)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {short_repr(b)}")
 
-    def token_ids_to_check(self) -> list[int]:
-        """Token ids the frontend must check against the vocabulary."""
-        ids = list(self.stop_token_ids)
-        if self.logit_bias:
-            ids += self.logit_bias
-        if self.allowed_token_ids:
-            ids += self.allowed_token_ids
-        return ids
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids index the logits: each must be in [0, vocab) (the frontend checks)."""
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(self, name) or () if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}), "
+                                 f"got {short_repr(bad)}")
 
     def _check_stops(self) -> None:
         if isinstance(self.stop, str):

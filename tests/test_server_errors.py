@@ -83,9 +83,29 @@ CASES = [
      "99999"),
     ("negative token id", "/v1/completions", {**OK, "prompt": [-1]}, 400, "prompt", "-1"),
     ("n=2", "/v1/completions", {**OK, "n": 2}, 400, "n", "n must be 1"),
-    ("logprobs", "/v1/completions", {**OK, "logprobs": 3}, 400, "logprobs", "logprobs"),
-    ("presence_penalty", "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0}, 400,
-     "presence_penalty", "presence_penalty"),
+    ("logprobs", "/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ("top_logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1},
+     400, "logprobs", "[0, 20]"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2},
+     400, "top_logprobs", "logprobs"),
+    ("presence_penalty", "/v1/chat/completions", {**CHAT, "presence_penalty": 3.0}, 400,
+     "presence_penalty", "[-2, 2]"),
+    ("repetition_penalty", "/v1/completions", {**OK, "repetition_penalty": 0}, 400,
+     "repetition_penalty", "> 0"),
+    ("min_p", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    ("logit_bias key", "/v1/completions", {**OK, "logit_bias": {"cat": 1}}, 400, "logit_bias",
+     "token ids"),
+    ("logit_bias out of vocab", "/v1/completions", {**OK, "logit_bias": {"99999": 1}}, 400,
+     "logit_bias", "99999"),
+    ("allowed_token_ids empty", "/v1/completions", {**OK, "allowed_token_ids": []}, 400,
+     "allowed_token_ids", "non-empty"),
+    ("allowed_token_ids out of vocab", "/v1/completions", {**OK, "allowed_token_ids": [99999]},
+     400, "allowed_token_ids", "99999"),
+    ("bad_words empty word", "/v1/completions", {**OK, "bad_words": [""]}, 400, "bad_words",
+     "non-empty"),
+    ("prompt_logprobs", "/v1/completions", {**OK, "prompt_logprobs": 99}, 400,
+     "prompt_logprobs", "[0, 20]"),
+    ("chat echo", "/v1/chat/completions", {**CHAT, "echo": True}, 400, "echo", "echo"),
     ("stream_options type", "/v1/completions",
      {**OK, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options",
      "bool"),
@@ -208,24 +228,27 @@ def test_a_request_failing_in_the_engine_gets_an_error_body_and_the_server_keeps
 
 # vLLM / OpenAI fields that change the output, which kvflow does not implement yet: a 400 naming
 # the field, never a 200 that ignored it. Their neutral values still pass.
-ASKED = [("logit_bias", {"50256": -100}), ("min_p", 0.1), ("bad_words", ["cat"]),
-         ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}),
+ASKED = [("guided_json", {"type": "object"}),
          ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= x"),
          ("structured_outputs", {"regex": "a"}), ("response_format", {"type": "json_object"}),
-         ("top_logprobs", 2), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-         ("functions", [{"name": "f"}]), ("function_call", "auto")]
+         ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+         ("functions", [{"name": "f"}]), ("function_call", "auto"),
+         ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+         ("truncate_prompt_tokens", 5), ("use_beam_search", True), ("length_penalty", 2.0),
+         ("return_tokens_as_token_ids", True)]
 
 
 @pytest.mark.parametrize("field,value", ASKED, ids=[a[0] for a in ASKED])
 def test_an_unimplemented_field_is_refused_by_name_not_ignored(server, field, value):
     path, body = ("/v1/chat/completions", CHAT) if field in (
-        "tools", "tool_choice", "functions", "function_call", "top_logprobs",
+        "tools", "tool_choice", "functions", "function_call",
         "response_format") else ("/v1/completions", OK)
     _check_error(_post(server.url + path, {**body, field: value}), 400, field, field)
 
 
 def test_neutral_values_of_unimplemented_fields_pass(server):
-    neutral = {"logit_bias": {}, "min_p": 0.0, "bad_words": [], "prompt_logprobs": 0}
+    neutral = {"include_stop_str_in_output": False, "skip_special_tokens": True,
+               "use_beam_search": False, "length_penalty": 1.0}
     r = _post(server.url + "/v1/completions", {**OK, **neutral, "max_tokens": 1})
     assert r.status_code == 200, r.text
     chat = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",

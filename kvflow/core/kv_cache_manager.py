@@ -72,7 +72,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix in whole blocks, leaving at least one token to compute."""
-        if not self.enable_caching:
+        # Prompt logprobs need every prompt position's logits: such a request computes it all.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         hashes = self._hash_up_to(request, max_blocks)

@@ -86,6 +86,7 @@ class EngineCore:
         for rid, err in self.runner.take_failed().items():
             outputs.append(self._fail_request(rid, err))
         outs = sched.update_from_output(so, sampled)
+        self._attach_logprobs(outs)
         finished = [o.request_id for o in outs if o.finish_reason is not None]
         if finished:
             self.runner.release(finished)
@@ -94,6 +95,15 @@ class EngineCore:
         outputs += outs
         return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic(), new_ids,
                                  num_prompt)
+
+    def _attach_logprobs(self, outs: list[EngineCoreOutput]) -> None:
+        lps, prompt = self.runner.take_logprobs([o.request_id for o in outs])
+        if lps or prompt:
+            for o in outs:
+                lp = lps.get(o.request_id)
+                if lp is not None:      # a stop may have cut the accepted tokens short
+                    o.new_logprobs = lp[:len(o.new_token_ids)]
+                o.new_prompt_logprobs = prompt.get(o.request_id)
 
     def _fail_request(self, rid: str, err: Exception) -> EngineCoreOutput:
         """Finish one request with finish_reason "error" (blocks and generator freed); the

@@ -15,10 +15,11 @@ from kvflow.core.outputs import EngineCoreOutput
 from kvflow.core.scheduler import check_new_request
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.messages import EngineCoreRequest
-from kvflow.engine.outputs import CompletionOutput, RequestOutput
+from kvflow.engine.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,
+                                  SampleLogprobs)
 from kvflow.engine.tokenizer import Tokenizer
 from kvflow.model.config import ModelConfig
-from kvflow.sampling_params import SamplingParams, short_repr
+from kvflow.sampling_params import SamplingParams
 
 
 class InputProcessor:
@@ -46,16 +47,25 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
         if self.extra_eos and not sp.ignore_eos:
             sp = dataclasses.replace(sp, stop_token_ids=sp.stop_token_ids + self.extra_eos)
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in sp.stop_token_ids if t >= vocab), None)
-        if bad is not None:     # the sampler masks them below min_tokens: they must index logits
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), "
-                             f"got {short_repr(bad)}")
+        if sp.bad_words:
+            sp = dataclasses.replace(sp, bad_words_token_ids=self._bad_words(sp.bad_words))
+        sp.check_vocab(self.model_config.vocab_size)
         sp.check_seed()     # again: sp may have been changed since it was built
         max_tokens = sp.max_tokens if sp.max_tokens is not None else 1 << 62
         check_new_request(self.scheduler_config, request_id, len(ids), max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return text, EngineCoreRequest(request_id, ids, sp, self.eos_token_id, arrival, priority)
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (as vLLM: the same word is often
+        one token mid-sentence and another at the start)."""
+        out = []
+        for w in words:
+            for text in (w, " " + w.lstrip(" ")):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -89,6 +99,9 @@ class RequestState:
     detok: IncrementalDetokenizer
     output_token_ids: list[int]
     num_cached_tokens: int = 0
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputProcessor:
@@ -103,7 +116,10 @@ class OutputProcessor:
             raise ValueError(f"request id {r.request_id!r} is already in use")
         sp = r.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, sp.stop, sp.min_tokens)
-        self.states[r.request_id] = RequestState(prompt, r.prompt_token_ids, detok, [])
+        st = RequestState(prompt, r.prompt_token_ids, detok, [])
+        if sp.logprobs is not None:
+            st.logprobs, st.cumulative_logprob = [], 0.0
+        self.states[r.request_id] = st
 
     def abort(self, request_ids) -> None:
         for rid in request_ids:
@@ -121,6 +137,12 @@ class OutputProcessor:
             reason, stop_reason, err = co.finish_reason, co.stop_reason, None
             st.output_token_ids.extend(co.new_token_ids)
             st.num_cached_tokens = co.num_cached_tokens
+            if co.new_logprobs and st.logprobs is not None:
+                st.logprobs += [self._logprob_dict(e) for e in co.new_logprobs]
+                st.cumulative_logprob += sum(e[1][0] for e in co.new_logprobs)
+            if co.new_prompt_logprobs is not None:
+                st.prompt_logprobs = [None] + [self._logprob_dict(e)
+                                               for e in co.new_prompt_logprobs]
             if reason == "error":
                 err = (ValueError if co.error_is_input else RuntimeError)(co.error)
             else:
@@ -138,9 +160,21 @@ class OutputProcessor:
                 del self.states[co.request_id]
         return results, to_abort
 
+    def _logprob_dict(self, entry) -> dict[int, Logprob]:
+        """The chosen token (its own rank) then the top alternatives (ranks 1..k)."""
+        ids, lps, rank = entry
+        name = self.tokenizer.decode_token
+        d = {ids[0]: Logprob(lps[0], rank, name(ids[0]))}
+        for j in range(1, len(ids)):
+            if ids[j] not in d:
+                d[ids[j]] = Logprob(lps[j], j, name(ids[j]))
+        return d
+
     @staticmethod
     def _output(rid: str, st: RequestState, reason, stop_reason, err) -> RequestOutput:
         comp = CompletionOutput(0, st.detok.text, list(st.output_token_ids), reason,
-                                stop_reason if reason is not None else None, err)
+                                stop_reason if reason is not None else None, err,
+                                list(st.logprobs) if st.logprobs is not None else None,
+                                st.cumulative_logprob)
         return RequestOutput(rid, st.prompt, st.prompt_token_ids, [comp], reason is not None,
-                             st.num_cached_tokens)
+                             st.num_cached_tokens, st.prompt_logprobs)

@@ -34,6 +34,7 @@ class Tokenizer:
         self.eos_token = tok.id_to_token(eos_token_id) if eos_token_id is not None else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._token_text: dict[int, str] = {}
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "Tokenizer":
@@ -73,6 +74,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name their tokens by it)."""
+        cache = self._token_text
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:

@@ -37,8 +37,8 @@ class CudaModelRunner(ModelRunner):
         if self.graphs is None or not self.graphs.can_run(st):
             return super()._forward(st)
         hidden = self.graphs.run(st)        # every row: the graph computes them all anyway
-        if st.sample_reqs and len(st.logits_rows) < len(st.input_ids):
-            hidden = hidden[self._upload(st.logits_rows, torch.long)]
+        if (st.sample_reqs or st.prompt_rows) and len(st.rows) < len(st.input_ids):
+            hidden = hidden[self._upload(st.rows, torch.long)]
         return hidden
 
 

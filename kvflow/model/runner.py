@@ -15,6 +15,8 @@ from kvflow.core.outputs import NewRequestData, SchedulerOutput
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
 from kvflow.model.h2d import upload
+from kvflow.model.logits_processors import TokenCounts, bad_word_bans, static_bias
+from kvflow.model.logprobs import LogprobEntry, token_logprobs
 from kvflow.model.sampler import Sampler
 from kvflow.sampling_params import SamplingParams, short_repr
 
@@ -54,6 +56,8 @@ class CachedRequestState:
     block_ids: list[int]                # the runner's own copy, extended step by step
     num_computed_tokens: int
     min_tokens_banned: list[int] | None     # EOS and stop token ids, masked below min_tokens
+    bias: torch.Tensor | None = None        # static_bias(): allowed ids, bad words, logit_bias
+    slot: int | None = None                 # its row in the runner's TokenCounts (penalties)
 
     @classmethod
     def from_new(cls, nr: NewRequestData) -> "CachedRequestState":
@@ -68,11 +72,16 @@ class CachedRequestState:
     def banned(self, ahead: int = 0) -> list[int] | None:
         """Below min_tokens, EOS and the stop token ids may not be sampled at all (vLLM's
         MinTokensLogitsProcessor); the scheduler only declines to stop on them. ahead: the
-        token `ahead` places after the next one (a row verifying drafts)."""
+        token `ahead` places after the next one (a row verifying drafts). Plus the last token
+        of a multi-token bad word whose other tokens end the output."""
+        sp = self.sampling_params
         n_out = len(self.token_ids) - self.num_prompt_tokens + ahead
-        if n_out >= self.sampling_params.min_tokens:
-            return None
-        return self.min_tokens_banned
+        out = self.min_tokens_banned if n_out < sp.min_tokens else None
+        if sp.bad_words_token_ids:
+            bans = bad_word_bans(sp, self.token_ids[self.num_prompt_tokens:])
+            if bans:
+                out = (out or []) + bans
+        return out
 
 
 @dataclass(slots=True)
@@ -87,6 +96,14 @@ class StepInputs:
     logits_rows: list[int]              # rows whose logits are sampled
     sample_reqs: list[CachedRequestState]
     drafts: list[list[int]]             # per sample_req: the draft tokens it verifies
+    # Rows scored for prompt_logprobs (after logits_rows in the logits), and per request
+    # (state, the prompt tokens those rows predict).
+    prompt_rows: list[int] = None
+    prompt_reqs: list[tuple[CachedRequestState, list[int]]] = None
+
+    @property
+    def rows(self) -> list[int]:
+        return self.logits_rows + self.prompt_rows if self.prompt_rows else self.logits_rows
 
 
 _NONE: list[int] = []     # no drafts (shared, never mutated)
@@ -108,6 +125,10 @@ class ModelRunner:
         self.kv_cache = _zeros(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed, device)
+        self.token_counts = TokenCounts(cfg.vocab_size, self._device)
+        # Logprobs of this step's sampled tokens and prompts, by request (take_logprobs()).
+        self.logprobs: dict[str, list[LogprobEntry]] = {}
+        self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}    # by request id, made at first draw
         self.failed: dict[str, Exception] = {}      # requests whose draw raised, by id
@@ -138,8 +159,24 @@ class ModelRunner:
     def release(self, request_ids) -> None:
         """Forget finished requests now (the next SchedulerOutput's finished_req_ids would)."""
         for rid in request_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
             self.generators.pop(rid, None)
+
+    def _drop(self, rid: str) -> None:
+        st = self.requests.pop(rid, None)
+        if st is not None and st.slot is not None:
+            self.token_counts.release(st.slot)
+            st.slot = None
+        self.prompt_logprobs.pop(rid, None)
+
+    def _add_state(self, nr: NewRequestData) -> CachedRequestState:
+        st = CachedRequestState.from_new(nr)
+        sp = st.sampling_params
+        bias = static_bias(sp, self.cfg.vocab_size)
+        st.bias = bias.to(self._device) if bias is not None else None
+        if sp.has_penalties:
+            st.slot = self.token_counts.add(nr.prompt_token_ids, nr.output_token_ids)
+        return st
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the message to the runner's own request states (vLLM's _update_states)."""
@@ -147,9 +184,10 @@ class ModelRunner:
         if so.finished_req_ids:     # first: a finished id may come back as a new request
             self.release(so.finished_req_ids)
         for rid in so.preempted_req_ids:    # resumed later as a new request, sent in full
-            reqs.pop(rid, None)
+            self._drop(rid)
         for nr in so.scheduled_new_reqs:
-            reqs[nr.req_id] = CachedRequestState.from_new(nr)
+            self._drop(nr.req_id)
+            reqs[nr.req_id] = self._add_state(nr)
         c = so.scheduled_cached_reqs
         for rid, toks, computed in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
             st = reqs[rid]
@@ -182,16 +220,86 @@ class ModelRunner:
             if toks is not None:
                 r.token_ids.extend(toks)
                 out[r.req_id] = toks
+        self._after_draw(logits, reqs, drafts, results)
         return out
 
     def _draw(self, logits: torch.Tensor, reqs: list[CachedRequestState],
               drafts: list[list[int]]) -> list[list[int]]:
         params = [r.sampling_params for r in reqs]
         gens = [self._generator(r) for r in reqs]
+        logits = self._process(logits, reqs, drafts)
         if not any(drafts):
             return [[t] for t in self.sampler(logits, params, gens, [r.banned() for r in reqs])]
         banned = [r.banned(j) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         return self.sampler.verify(logits, params, gens, drafts, banned)
+
+    def _process(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                 drafts: list[list[int]]) -> torch.Tensor:
+        """A float32 copy of logits with the static biases and penalties applied, or logits
+        itself when no request asks for either."""
+        if all(r.bias is None and r.slot is None for r in reqs):
+            return logits
+        logits = logits.to(torch.float32, copy=True)    # the raw logits give the logprobs
+        bias_rows, biases, pen_rows, slots, params, o = [], [], [], [], [], 0
+        for r, d in zip(reqs, drafts):
+            if r.bias is not None:
+                bias_rows += range(o, o + len(d) + 1)
+                biases += [r.bias] * (len(d) + 1)
+            if r.slot is not None:      # no drafts: penalties need the history (needs_history)
+                pen_rows.append(o)
+                slots.append(r.slot)
+                params.append(r.sampling_params)
+            o += len(d) + 1
+        if bias_rows:
+            logits[torch.tensor(bias_rows, device=logits.device)] += torch.stack(biases)
+        if pen_rows:
+            self.token_counts.apply(logits, pen_rows, slots, params)
+        return logits
+
+    def _after_draw(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                    drafts: list[list[int]], results: list[list[int] | None]) -> None:
+        """Count the tokens of requests with penalties; logprobs of those asking for them."""
+        slots, toks, lp_rows, lp_toks, lp_k, lp_reqs, o = [], [], [], [], [], [], 0
+        for r, d, res in zip(reqs, drafts, results):
+            if res is not None:
+                if r.slot is not None:
+                    slots += [r.slot] * len(res)
+                    toks += res
+                k = r.sampling_params.logprobs
+                if k is not None:
+                    lp_rows += range(o, o + len(res))
+                    lp_toks += res
+                    lp_k += [k] * len(res)
+                    lp_reqs.append((r.req_id, len(res)))
+            o += len(d) + 1
+        self.token_counts.record(slots, toks)
+        if lp_rows:
+            entries = token_logprobs(logits[torch.tensor(lp_rows, device=logits.device)],
+                                     lp_toks, lp_k)
+            o = 0
+            for rid, n in lp_reqs:
+                self.logprobs[rid] = entries[o:o + n]
+                o += n
+
+    def _score_prompts(self, logits: torch.Tensor, st: StepInputs) -> None:
+        """Prompt logprobs of this step's prompt rows (logits: those rows only), kept until
+        the request samples its first token."""
+        entries = token_logprobs(logits, [t for _, ts in st.prompt_reqs for t in ts],
+                                 [r.sampling_params.prompt_logprobs
+                                  for r, ts in st.prompt_reqs for _ in ts])
+        o = 0
+        for r, ts in st.prompt_reqs:
+            self.prompt_logprobs.setdefault(r.req_id, []).extend(entries[o:o + len(ts)])
+            o += len(ts)
+
+    def take_logprobs(self, request_ids) -> tuple[dict[str, list[LogprobEntry]],
+                                                  dict[str, list[LogprobEntry]]]:
+        """(sampled-token logprobs of this step, complete prompt logprobs) of these requests;
+        forgotten here."""
+        lps, self.logprobs = self.logprobs, {}
+        prompt = {rid: self.prompt_logprobs.pop(rid) for rid in request_ids
+                  if rid in self.prompt_logprobs}
+        return lps, prompt
 
     def _draw_each(self, logits: torch.Tensor, reqs: list[CachedRequestState],
                    drafts: list[list[int]]) -> list[list[int] | None]:
@@ -263,6 +371,8 @@ class ModelRunner:
                 st.logits_rows.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
                 st.sample_reqs.append(req)
                 st.drafts.append(drafts)
+            if req.sampling_params.prompt_logprobs is not None:
+                _add_prompt_rows(st, req, start, end)
         return st
 
     @torch.inference_mode()
@@ -272,11 +382,15 @@ class ModelRunner:
             return {}
         st = self.gather_inputs(so)
         hidden = self._forward(st)
+        if st.prompt_rows:
+            self._score_prompts(self.model.compute_logits(hidden[len(st.logits_rows):]), st)
         if not st.sample_reqs:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
-        return self.sample(self.model.compute_logits(hidden), st.sample_reqs, st.drafts)
+        logits = self.model.compute_logits(hidden[:len(st.logits_rows)] if st.prompt_rows
+                                           else hidden)
+        return self.sample(logits, st.sample_reqs, st.drafts)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without
@@ -295,7 +409,7 @@ class ModelRunner:
                                  num_decodes=st.num_decodes, block_size=self.block_size,
                                  num_blocks=self.num_blocks)
         self.backend.prepare(meta)
-        rows = st.logits_rows or [n - 1]
+        rows = st.rows or [n - 1]
         return self.model(self._upload(st.input_ids, torch.long),
                           self._upload(st.positions, torch.long), self.kv_caches, self.backend,
                           meta, self._upload(rows, torch.long))
@@ -317,3 +431,18 @@ class ModelRunner:
         hidden = self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev),
                             self.kv_caches, self.backend, meta, torch.arange(n, device=dev))
         return self.model.compute_logits(hidden).float()
+
+
+def _add_prompt_rows(st: StepInputs, req: CachedRequestState, start: int, end: int) -> None:
+    """Rows of a prompt chunk [start, end) that predict prompt tokens: position q scores token
+    q + 1. Only on the request's first pass over its prompt (a resumed request, holding sampled
+    tokens, has reported them already)."""
+    p = req.num_prompt_tokens
+    if len(req.token_ids) != p or start + 1 >= p:
+        return
+    n = min(end, p - 1) - start
+    first = st.query_start_loc[-1] - (end - start)
+    if st.prompt_rows is None:
+        st.prompt_rows, st.prompt_reqs = [], []
+    st.prompt_rows.extend(range(first, first + n))
+    st.prompt_reqs.append((req, req.token_ids[start + 1:start + 1 + n]))

@@ -53,9 +53,14 @@ class Sampler:
         return sampled.tolist()
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The distribution each row samples from: temperature, then top-k and top-p."""
+        """The distribution each row samples from: temperature, min_p, then top-k and top-p."""
         temps = self._up([1.0 if p.greedy else p.temperature for p in params], torch.float32)
         x = logits / temps[:, None]
+        min_p = [p.min_p for p in params]
+        if any(min_p):      # drop tokens less likely than min_p times the most likely one
+            probs = x.softmax(dim=-1)
+            thresh = probs.amax(dim=-1, keepdim=True) * self._up(min_p, torch.float32)[:, None]
+            x = x.masked_fill(probs < thresh, float("-inf"))
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):

@@ -66,31 +66,35 @@ class _SamplingFields(BaseModel):
     min_tokens: Int = 0
     user: StrictStr | None = None
     request_id: StrictStr | None = None
-    # Known, not implemented: accepted only at their neutral values.
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    logprobs: Any = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    min_p: Number | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[Int] | None = None
+    prompt_logprobs: Int | None = None      # vLLM's extra: logprobs of the prompt's tokens
     best_of: Int | None = None
     # vLLM's and OpenAI's fields that change the output; kvflow does not implement them yet, so
     # they are declared (not dropped as unknown) and refused unless neutral (UNSUPPORTED).
-    logit_bias: Any = None
-    min_p: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
     response_format: Any = None
-    top_logprobs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    echo: StrictBool = False
+    logprobs: Int | None = None         # top logprobs per token (the chosen one's always)
+    echo: StrictBool = False            # the prompt before the completion (and its logprobs)
     suffix: StrictStr | None = None
 
 
@@ -104,6 +108,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int | None = None
     add_generation_prompt: StrictBool = True
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = None
+    echo: StrictBool = False            # vLLM's: repeat the last message; not implemented
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -139,11 +146,12 @@ class ErrorResponse(BaseModel):
 
 # Field -> the values that ask for nothing (None always does); anything else is a 400.
 UNSUPPORTED = {
-    "logit_bias": ({},), "min_p": (0, 0.0), "bad_words": ([],), "allowed_token_ids": (),
-    "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (), "response_format": ({"type": "text"},),
-    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "truncate_prompt_tokens": (), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "return_tokens_as_token_ids": (False,),
 }
 
 

@@ -19,6 +19,7 @@ import jinja2
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.engine.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, short_repr
+from kvflow.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
                                      CompletionRequest, usage)
 
@@ -35,7 +36,13 @@ class SSEStream:
 
 
 _SP_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop",
-              "stop_token_ids", "ignore_eos")
+              "stop_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
+              "logprobs", "prompt_logprobs")
+# Passed to SamplingParams as they are when set.
+_PASSED = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
+           "prompt_logprobs")
 
 
 def _param_of(msg: str) -> str | None:
@@ -63,13 +70,11 @@ class OpenAIServing:
                            "n")
         if req.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported", "best_of")
-        if req.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", "logprobs")
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
-                              ("repetition_penalty", 1)):
-            v = getattr(req, name)
-            if v is not None and v != neutral:
-                raise ApiError(400, f"{name} is not supported (only {neutral})", name)
+        if isinstance(req, ChatCompletionRequest):
+            if req.echo:
+                raise ApiError(400, "echo is not supported for chat completions", "echo")
+            if req.top_logprobs and not req.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         for name, neutral in UNSUPPORTED.items():
             v = getattr(req, name, None)
             if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
@@ -95,10 +100,13 @@ class OpenAIServing:
             max_tokens = room if default_max is None else min(default_max, room)
         kw = dict(max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
                   stop=req.stop if req.stop is not None else [],
-                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
-        for name in ("temperature", "top_p", "top_k"):
+                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                  logprobs=_num_logprobs(req))
+        for name in _PASSED:
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
+        if getattr(req, "echo", False) and kw["logprobs"] is not None:   # the prompt's too
+            kw["prompt_logprobs"] = max(kw.get("prompt_logprobs") or 0, kw["logprobs"])
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -133,8 +141,6 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest):
         self.check_model(req.model)
         self._check_unsupported(req)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         p = req.prompt
@@ -153,14 +159,33 @@ class OpenAIServing:
         meta = dict(id=rid, created=int(time.time()), model=req.model or self.model_names[0])
         if req.stream:
             inc = req.stream_options is not None and req.stream_options.include_usage
-            return SSEStream(self._stream(streams, meta, "text_completion", inc, sp, chat=False),
-                             streams)
+            return SSEStream(self._stream(streams, meta, "text_completion", inc, sp, chat=False,
+                                          echo=req.echo), streams)
         outs = await _collect(streams)
-        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
-                    "finish_reason": o.outputs[0].finish_reason,
-                    "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
+        choices = [self._completion_choice(i, o, sp, req.echo) for i, o in enumerate(outs)]
         return {**meta, "object": "text_completion", "choices": choices,
                 "usage": _usage(outs)}
+
+    def _completion_choice(self, i: int, o: RequestOutput, sp: SamplingParams,
+                           echo: bool) -> dict:
+        c = o.outputs[0]
+        text, lps = c.text, None
+        if echo:
+            prompt = self._prompt_text(o)
+            text = prompt + text
+            if sp.logprobs is not None:
+                lps = completion_logprobs(o.prompt_logprobs + c.logprobs,
+                                          o.prompt_token_ids + c.token_ids, self.tokenizer)
+        elif sp.logprobs is not None:
+            lps = completion_logprobs(c.logprobs, c.token_ids, self.tokenizer)
+        choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if sp.prompt_logprobs is not None and o.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
+        return choice
+
+    def _prompt_text(self, o: RequestOutput) -> str:
+        return o.prompt if o.prompt is not None else self.tokenizer.decode(o.prompt_token_ids)
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest):
@@ -183,10 +208,13 @@ class OpenAIServing:
                                           chat=True), streams)
         outs = await _collect(streams)
         c = outs[0].outputs[0]
-        return {**meta, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}],
+        lps = (chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
+               if sp.logprobs is not None else None)
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if sp.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(outs[0].prompt_logprobs)
+        return {**meta, "object": "chat.completion", "choices": [choice],
                 "usage": _usage(outs)}
 
     def render_chat(self, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
@@ -213,41 +241,39 @@ class OpenAIServing:
 
     # ---- SSE --------------------------------------------------------------------------------
     async def _stream(self, streams: list[RequestStream], meta: dict, obj: str,
-                      include_usage: bool, sp: SamplingParams, chat: bool) -> AsyncIterator[str]:
+                      include_usage: bool, sp: SamplingParams, chat: bool,
+                      echo: bool = False) -> AsyncIterator[str]:
         holdback = max((len(s) for s in sp.stop), default=1) - 1
-        sent = [0] * len(streams)
+        sent = [0] * len(streams)           # characters sent, per choice
+        sent_toks = [0] * len(streams)      # tokens whose logprobs are sent
         finals: list[RequestOutput | None] = [None] * len(streams)
         extra = {"usage": None} if include_usage else {}
-
-        def chunk(i: int, text: str | None, finish: str | None, stop_reason=None) -> str:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if finish is not None:
-                c["stop_reason"] = stop_reason
-            return _sse({**meta, "object": obj, "choices": [c], **extra})
-
+        chunk = _ChunkMaker(meta, obj, chat, extra, sp, self.tokenizer)
+        to_echo = set(range(len(streams))) if echo else set()
         try:
             first = True
             async for i, out in _merge(streams):
                 if chat and first:      # as vLLM: the role chunk comes with the first output
                     first = False
-                    yield _sse({**meta, "object": obj, "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}], **extra})
+                    yield chunk.role()
                 _raise_if_failed(out)
                 c = out.outputs[0]
+                if i in to_echo:
+                    to_echo.discard(i)
+                    yield chunk.echo(i, out, self._prompt_text(out))
                 end = len(c.text) if out.finished else max(len(c.text) - holdback, sent[i])
                 delta = c.text[sent[i]:end]
                 sent[i] = end
+                if out.finished or delta:
+                    lps = c.logprobs[sent_toks[i]:] if c.logprobs is not None else None
+                    sent_toks[i] = len(c.token_ids)
+                    toks = c.token_ids[len(c.token_ids) - len(lps):] if lps is not None else []
                 if out.finished:
                     finals[i] = out
-                    yield chunk(i, delta if delta or not chat else None, c.finish_reason,
-                                c.stop_reason)
+                    yield chunk(i, delta if delta or not chat else None, lps, toks,
+                                c.finish_reason, c.stop_reason)
                 elif delta:
-                    yield chunk(i, delta, None)
+                    yield chunk(i, delta, lps, toks)
             if include_usage:
                 yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
         except EngineDeadError as e:
@@ -258,6 +284,49 @@ class OpenAIServing:
             for s in streams:
                 s.close()
         yield "data: [DONE]\n\n"
+
+
+class _ChunkMaker:
+    """The SSE chunks of one streamed answer."""
+
+    def __init__(self, meta: dict, obj: str, chat: bool, extra: dict, sp: SamplingParams,
+                 tokenizer) -> None:
+        self.meta, self.obj, self.chat, self.extra = meta, obj, chat, extra
+        self.sp, self.tokenizer = sp, tokenizer
+
+    def __call__(self, i: int, text: str | None, lps, toks: list[int],
+                 finish: str | None = None, stop_reason=None) -> str:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            lp = (chat_logprobs(lps, toks, self.sp.logprobs or 0) if lps is not None else None)
+            c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            lp = completion_logprobs(lps, toks, self.tokenizer) if lps is not None else None
+            c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = stop_reason
+        return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
+
+    def role(self) -> str:
+        return _sse({**self.meta, "object": self.obj, "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""},
+             "logprobs": None, "finish_reason": None}], **self.extra})
+
+    def echo(self, i: int, out: RequestOutput, prompt: str) -> str:
+        """The prompt, first (completions with echo), with its logprobs if asked for."""
+        lps = None
+        if self.sp.logprobs is not None and out.prompt_logprobs is not None:
+            lps = completion_logprobs(out.prompt_logprobs, out.prompt_token_ids,
+                                      self.tokenizer)
+        c = {"index": i, "text": prompt, "logprobs": lps, "finish_reason": None}
+        return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
+
+
+def _num_logprobs(req) -> int | None:
+    """SamplingParams.logprobs: completions give the number; chat a flag and top_logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _raise_if_failed(out: RequestOutput) -> None:
