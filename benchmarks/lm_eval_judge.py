@@ -46,7 +46,7 @@ TASKS = ["kvflow_mc", "kvflow_gen"]
 # Per-choice loglikelihoods summed over a few tokens in float32: two implementations of the same
 # forward pass (different kernels and reduction orders) agree to ~1e-4; more means a wrong token
 # boundary or position, which is off by whole nats.
-LOGLIK_TOL = 2e-3
+LOGLIK_TOL = 1e-3
 
 
 # ---- the two models' inputs ---------------------------------------------------------------------
@@ -98,7 +98,8 @@ def kvflow_serve(num_threads: int, log: Path):
     cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", str(port), "--dtype",
            "float32", "--num-threads", str(num_threads), "--max-model-len", "1024",
            "--log-level", "warning"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
