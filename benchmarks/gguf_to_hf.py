@@ -35,6 +35,9 @@ def convert(gguf_path: str, out: Path, dtype: str) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": g.chat_template,
         "bos_token": name(g.bos_token_id), "eos_token": name(g.eos_token_id),
         "add_bos_token": g.add_bos_token, "add_eos_token": False,
+        # Decoded text exactly as the tokens spell it (kvflow's detokenizer does no clean-up;
+        # older transformers clean " ." to "." unless told not to).
+        "clean_up_tokenization_spaces": False,
         "model_max_length": g.config["max_position_embeddings"]}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": g.bos_token_id, "eos_token_id": g.eos_token_id}, indent=2))
