@@ -8,7 +8,7 @@ two configurations alternate, so a noisy neighbour hits both):
   sampling  the runner's sample() (bias, penalties, the draw, logprobs) plus the grammar
             bitmask's fill (engine core) and application (runner)
 
-    python benchmarks/sampler_cost.py [--rounds 3] [--requests 64] [--tokens 24]
+    python benchmarks/sampler_cost.py [--rounds 3] [--requests 64] [--tokens 24] [--seed S]
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ SCHEMA = {"type": "object", "properties": {
     "score": {"type": "integer"}}, "required": ["name", "tags", "score"]}
 
 
-def configs(tokens: int) -> dict[str, SamplingParams]:
-    base = dict(temperature=0.8, top_p=0.95, seed=0, max_tokens=tokens, ignore_eos=True)
+def configs(tokens: int, seed: int | None) -> dict[str, SamplingParams]:
+    base = dict(temperature=0.8, top_p=0.95, seed=seed, max_tokens=tokens, ignore_eos=True)
     extra = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
                  logprobs=5)
     try:
@@ -56,6 +56,7 @@ class Timers:
                 return fn(*a, **kw)
             finally:
                 self.cur[key] = self.cur.get(key, 0.0) + time.perf_counter() - t0
+        timed.__wrapped__ = fn
         setattr(obj, name, timed)
 
 
@@ -85,17 +86,18 @@ def run(llm: LLM, sp: SamplingParams, n: int) -> tuple[float, float]:
         llm.generate(prompts, sp, use_tqdm=False)
     finally:
         del core.step
+        for obj, name in grammar_hooks(core):   # unwrap (instance attribute or module global)
+            if obj.__dict__.get(name) is not None and hasattr(obj.__dict__[name], "__wrapped__"):
+                setattr(obj, name, obj.__dict__[name].__wrapped__)
     return statistics.median(steps) * 1e3, statistics.median(samplings) * 1e3
 
 
 def grammar_hooks(core) -> list[tuple[object, str]]:
-    """The grammar bitmask's fill and application, wherever this build has them."""
-    hooks = []
-    mgr = getattr(core, "structured_output_manager", None)
-    for name in ("grammar_bitmask", "fill_bitmask"):
-        if mgr is not None and hasattr(mgr, name):
-            hooks.append((mgr, name))
-    return hooks
+    """The grammar bitmask's fill (the core's manager, made now rather than at the first
+    structured request) and its application (the runner module's function)."""
+    import kvflow.model.runner as runner_module
+    return [(core._structured_outputs(), "grammar_bitmask"),
+            (runner_module, "apply_grammar_bitmask")]
 
 
 def main() -> None:
@@ -104,9 +106,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed every request (each then draws from its own generator)")
     a = ap.parse_args()
     llm = LLM(dtype="float32", max_num_seqs=a.requests, num_threads=a.threads)
-    cfgs = configs(a.tokens)
+    cfgs = configs(a.tokens, a.seed)
     print(f"CPU: {cpu_line()}")
     names = ("presence_penalty", "logprobs", "structured_outputs")
     print("extras:", ", ".join(k for k in names if getattr(cfgs["extras"], k, None)))
