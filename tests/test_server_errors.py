@@ -108,6 +108,8 @@ CASES = [
     ("prompt_logprobs", "/v1/completions", {**OK, "prompt_logprobs": 99}, 400,
      "prompt_logprobs", "[0, 20]"),
     ("chat echo", "/v1/chat/completions", {**CHAT, "echo": True}, 400, "echo", "echo"),
+    ("too many choices", "/v1/completions", {**OK, "prompt": [[5]] * 4097}, 400, "prompt",
+     "at most 4096"),
     ("stream_options type", "/v1/completions",
      {**OK, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options",
      "bool"),

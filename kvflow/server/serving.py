@@ -26,6 +26,11 @@ from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest
 from kvflow.server.structured import check_structured_outputs, structured_outputs_of
 
 
+# Completions (prompts x n) one request may ask for: a 1 MiB body of one-token prompts would
+# otherwise queue ~100k requests at once.
+MAX_CHOICES = 4096
+
+
 class SSEStream:
     """A streamed answer: the SSE text chunks, and the requests to abort if nobody reads them."""
 
@@ -152,6 +157,10 @@ class OpenAIServing:
             raw_prompts = [p]
         else:
             raw_prompts = list(p)
+        if len(raw_prompts) * req.n > MAX_CHOICES:     # each choice is a request in the engine
+            raise ApiError(400, f"{len(raw_prompts)} prompts x n={req.n} asks for "
+                                f"{len(raw_prompts) * req.n} completions; at most {MAX_CHOICES} "
+                                f"in one request", "prompt")
         if not raw_prompts:
             raise ApiError(400, "prompt must not be empty", "prompt")
         # Tokenizing (up to a megabyte) leaves the event loop, so other streams go on meanwhile.
