@@ -178,15 +178,28 @@ def test_store_kv_rejects_bad_inputs():
         torch.ops.kvflow.store_kv_(cache, kv, torch.arange(4))
 
 
+# (q_lens, seq_lens, the runs of whole prompts: (first request, length, count)). A request
+# whose q_len < seq_len continues a cached prefix; the rest are whole prompts.
+_STEP_LAYOUTS = [
+    # 2 decodes, three 5-token prompts (one batched call), a 3-token prompt, a continued chunk
+    ([1, 1, 5, 5, 5, 3, 6], [13, 3, 5, 5, 5, 3, 16], [(2, 5, 3), (5, 3, 1)]),
+    # a continued chunk between two prompts of one length: two runs, not one (the second
+    # prompt's rows were left unwritten once: NaN logits on CI)
+    ([1, 3, 2, 3], [9, 3, 6, 3], [(1, 3, 1), (3, 3, 1)]),
+    ([3, 3, 6, 3, 3], [3, 3, 10, 3, 3], [(0, 3, 2), (3, 3, 2)]),
+]
+
+
+@pytest.mark.parametrize("layout", _STEP_LAYOUTS)
 @pytest.mark.parametrize("use_kernels", [True, False])
-def test_torch_backend_step_of_decodes_fresh_prompts_and_a_continued_chunk(use_kernels):
-    """One step: 2 decodes, a run of three 5-token prompts (one batched call), a 3-token prompt,
-    a 6-token chunk continuing a cached 10-token prefix. Each request's output equals causal
-    attention over its whole context, read back from the cache after the step's writes."""
+def test_torch_backend_step_of_decodes_fresh_prompts_and_continued_chunks(use_kernels, layout):
+    """One step mixing decodes, runs of whole prompts and chunks continuing a cached prefix:
+    each request's output equals causal attention over its whole context, read back from the
+    cache after the step's writes."""
     from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend
     g = torch.Generator().manual_seed(2)
     nb, bs, kvh, h, d = 40, 4, 2, 6, 64
-    q_lens, seq_lens = [1, 1, 5, 5, 5, 3, 6], [13, 3, 5, 5, 5, 3, 16]
+    q_lens, seq_lens, runs = layout
     width = -(-max(seq_lens) // bs)
     table = torch.randperm(nb, generator=g)[:len(q_lens) * width].view(len(q_lens), width)
     slots, qsl = [], [0]
@@ -198,11 +211,12 @@ def test_torch_backend_step_of_decodes_fresh_prompts_and_a_continued_chunk(use_k
     qkv = torch.randn(t, h + 2 * kvh, d, generator=g)
     q, kv = qkv[:, :h], qkv[:, h:].view(t, 2, kvh, d)
     meta = AttentionMetadata(num_tokens=t, slot_mapping=torch.tensor(slots), query_start_loc=qsl,
-                             seq_lens=seq_lens, block_table=table.contiguous(), num_decodes=2,
+                             seq_lens=seq_lens, block_table=table.contiguous(),
+                             num_decodes=sum(ql == 1 < sl for ql, sl in zip(q_lens, seq_lens)),
                              block_size=bs, num_blocks=nb)
     backend = TorchAttentionBackend(use_kernels=use_kernels)
     backend.prepare(meta)
-    assert meta.extra["p_fresh"] == [[qsl[2], 5, 3], [qsl[5], 3, 1]]
+    assert meta.extra["p_fresh"] == [[qsl[r], n, c] for r, n, c in runs]
     out = backend.forward(q, kv, cache, meta, d ** -0.5)
     for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
         ctx = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(sl)])

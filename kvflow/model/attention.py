@@ -85,8 +85,9 @@ class TorchAttentionBackend(AttentionBackend):
             q_len = qsl[i + 1] - qsl[i]
             if q_len != lens[i]:
                 pre.append((i, qsl[i], q_len, lens[i]))
-            elif fresh and fresh[-1][1] == q_len:     # same length as the run before it
-                fresh[-1][2] += 1
+            elif fresh and fresh[-1][1] == q_len and fresh[-1][0] + q_len * fresh[-1][2] == qsl[i]:
+                fresh[-1][2] += 1     # same length as the run just before it (a chunk between
+                                      # them would leave this prompt's rows unwritten)
             else:
                 fresh.append([qsl[i], q_len, 1])
         # Whole prompts (no cached prefix) attend to their own fresh K/V straight from the step's
