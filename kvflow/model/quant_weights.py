@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-KVFLOW_I8_PC = 1000                 # int8, one float32 scale per output row (kvflow's own)
-KERNEL_QTYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, KVFLOW_I8_PC})
+from kvflow.model.quant import KVFLOW_I8_PC, NAMES, Q4_1
+
+KERNEL_QTYPES = frozenset(NAMES)
 # KVFLOW_CPU_QUANT=0: dequantize GGUF weights to float32 at load, as before the kernels existed.
 _ENV = "KVFLOW_CPU_QUANT"
 
