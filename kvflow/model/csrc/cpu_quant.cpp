@@ -28,8 +28,8 @@ namespace {
 
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kI8PC = 1000 };
 
-// Up to this many tokens the integer-dot path wins; above, dequantize tiles + BLAS (measured
-// with benchmarks/quant_gemv.py).
+// Up to this many tokens the integer-dot path wins; above, dequantized tiles + BLAS do (one
+// thread, AVX2 EPYC, the default model's shapes: even at T=12, tiles ahead from T=16 on).
 constexpr int64_t kSmallT = 12;
 
 // ---- ISA selection ---------------------------------------------------------------------------
@@ -416,10 +416,12 @@ void row_block(const Job& g, int64_t o, int64_t T) {
 
 template <class F, int ISA>
 void run_small(const Job& g, int64_t T) {
-  constexpr int R = 4;
+  // 2 rows: 4 rows measured ~30% slower at T=1 (AVX2's 16 registers spill the accumulators);
+  // a 32-block of x is reused from L1 anyway, so more rows would buy little.
+  constexpr int R = 2;
   const int64_t blocks = g.O / R;
-  // Chunks of >= 32 rows keep the fork/join cost small next to the rows' work.
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+  // Chunks of >= 16 rows keep the fork/join cost small next to the rows' work.
+  at::parallel_for(0, blocks, 16 / R, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) row_block<F, ISA, R>(g, b * R, T);
   });
   for (int64_t o = blocks * R; o < g.O; ++o) row_block<F, ISA, 1>(g, o, T);
@@ -506,20 +508,29 @@ void dequant_rows(const uint8_t* w, int64_t ws, int64_t r0, int64_t r1, int64_t 
 }
 
 // ---- large T: dequantized tiles + BLAS -------------------------------------------------------
+// One parallel region: each thread dequantizes its tiles of weight rows into its own float32
+// buffer and multiplies them right away (BLAS runs single-threaded inside the region). One
+// fork/join per call, not two per tile: on a loaded machine every join can wait a time slice.
 template <class F>
 void run_tiles(const at::Tensor& x, const uint8_t* w, int64_t ws, int64_t I, at::Tensor& y,
                int isa) {
   const int64_t O = y.size(1);
-  // ~256 KB of float32 rows: the tile stays in L2 between its dequantization and the GEMM.
-  const int64_t nt = std::clamp<int64_t>((65536 / std::max<int64_t>(I, 1)) / 16 * 16, 16, 512);
-  at::Tensor buf = at::empty({std::min(nt, O), I}, x.options());
-  for (int64_t o0 = 0; o0 < O; o0 += nt) {
-    const int64_t n = std::min(nt, O - o0);
-    at::Tensor wt = buf.narrow(0, 0, n);
-    dequant_rows<F>(w, ws, o0, o0 + n, I, wt.data_ptr<float>(), isa);
-    at::Tensor yv = y.narrow(1, o0, n);
-    yv.addmm_(x, wt.t());
-  }
+  const int64_t nthreads = at::get_num_threads();
+  // ~256 KB of float32 rows: the tile stays in L2 between its dequantization and the GEMM; and
+  // at least one tile per thread.
+  int64_t nt = std::clamp<int64_t>((65536 / I) / 16 * 16, 16, 512);
+  nt = std::max<int64_t>(16, std::min(nt, (O + nthreads - 1) / nthreads));
+  const int64_t tiles = (O + nt - 1) / nt;
+  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) {
+    at::Tensor buf = at::empty({nt, I}, x.options());
+    float* bp = buf.data_ptr<float>();
+    for (int64_t k = a; k < b; ++k) {
+      const int64_t o0 = k * nt, n = std::min(nt, O - o0);
+      for (int64_t r = 0; r < n; ++r) dequant_row<F>(w + (o0 + r) * ws, I, bp + r * I, isa);
+      at::Tensor yv = y.narrow(1, o0, n);
+      yv.addmm_(x, buf.narrow(0, 0, n).t());
+    }
+  });
 }
 
 // ---- entry points ----------------------------------------------------------------------------
