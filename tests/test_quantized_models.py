@@ -23,7 +23,8 @@ def _logits(ckpt: str, prompt: list[int], monkeypatch, quant_env: str, **kw) -> 
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm(dim=-1).max() / b.norm(dim=-1).min())
+    """The worst row's |a - b| / |b|."""
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
 
 
 def test_gguf_quantized_tensors_are_the_float_tensors_blocks(tmp_path):
@@ -40,12 +41,25 @@ def test_gguf_quantized_tensors_are_the_float_tensors_blocks(tmp_path):
 
 @needs_kernels
 @pytest.mark.parametrize("method", ["int8", "q4"])
-@pytest.mark.parametrize("n", [5, 40])     # the few-row kernel path and the tiled GEMM path
-def test_quantized_hf_model_matches_its_dequantized_twin(tiny_llama, monkeypatch, method, n):
-    ours = _logits(tiny_llama, PROMPT[:n], monkeypatch, "1", quantization=method)
-    twin = _logits(tiny_llama, PROMPT[:n], monkeypatch, "0", quantization=method)
-    assert _rel_err(ours, twin) < 2e-2
-    assert (ours.argmax(-1) == twin.argmax(-1)).float().mean() >= 0.9
+def test_quantized_hf_model_is_near_its_dequantized_twin(tiny_llama, monkeypatch, method):
+    """The twin multiplies float activations; the kernels round them to 8 bits a value (per
+    32-block scale, ~0.5% error per product), which a random 2-layer model amplifies to ~10% of
+    its logits at worst (its attention is sharp). A wrong block, row order or scale is ~100%."""
+    ours = _logits(tiny_llama, PROMPT, monkeypatch, "1", quantization=method)
+    twin = _logits(tiny_llama, PROMPT, monkeypatch, "0", quantization=method)
+    assert _rel_err(ours, twin) < 0.25
+    assert (ours.argmax(-1) == twin.argmax(-1)).float().mean() >= 0.75
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "q4"])
+def test_few_token_and_many_token_kernel_paths_compute_the_same_model(tiny_llama, monkeypatch,
+                                                                     method):
+    """5 tokens take the integer-dot path, 40 the dequantized-tile GEMM: the first 5 positions'
+    logits agree to float rounding, so a token's output does not depend on its batch."""
+    few = _logits(tiny_llama, PROMPT[:5], monkeypatch, "1", quantization=method)
+    many = _logits(tiny_llama, PROMPT, monkeypatch, "1", quantization=method)[:5]
+    assert _rel_err(few, many) < 1e-4
 
 
 @needs_kernels

@@ -92,6 +92,24 @@ void quantize_row(const float* x, int64_t I, QX* out) {
   }
 }
 
+// x with every 32-block rounded to the 8-bit values the few-token path multiplies (d * q), so
+// both paths compute one function of x, up to float summation order: a token's output does not
+// depend on how many tokens share its step (batch or alone, prefill chunk or decode).
+at::Tensor round_like_small_t(const at::Tensor& x) {
+  const int64_t T = x.size(0), I = x.size(1), nb = I / 32;
+  at::Tensor out = at::empty({T, I}, x.options());
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    std::vector<QX> q(nb);
+    for (int64_t t = a; t < b; ++t) {
+      quantize_row(x.data_ptr<float>() + t * x.stride(0), I, q.data());
+      float* o = out.data_ptr<float>() + t * I;
+      for (int64_t k = 0; k < nb; ++k)
+        for (int l = 0; l < 32; ++l) o[k * 32 + l] = q[k].d * static_cast<float>(q[k].q[l]);
+    }
+  });
+  return out;
+}
+
 // ---- fp16 scales -----------------------------------------------------------------------------
 inline uint16_t rd16(const uint8_t* p) {
   uint16_t v;
@@ -631,9 +649,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qw, int64_t qt
   // y starts as residual + bias; the tiles accumulate into it.
   if (residual.has_value()) y.copy_(*residual); else y.zero_();
   if (bias.has_value()) y.add_(*bias);
+  const at::Tensor xr = I % 32 == 0 ? round_like_small_t(x) : x;
   with_format(qtype, [&](auto f) {
     using F = decltype(f);
-    run_tiles<F>(x, g.w, g.ws, I, y, isa);
+    run_tiles<F>(xr, g.w, g.ws, I, y, isa);
   });
   return y;
 }
