@@ -97,3 +97,17 @@ def test_quantized_greedy_output_is_the_same_alone_and_in_a_batch(tiny_llama, mo
     alone = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
              for p in prompts]
     assert batch == alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [3, 40])
+def test_quant_linear_runs_under_inference_mode(t):
+    """The engine runs under torch.inference_mode; the tiled path updates its output in place
+    on the thread pool, whose threads must not see an inference tensor as a normal one."""
+    from kvflow.model.quant import quantize_int8_pc
+    w = torch.randn(96, 64)
+    q = quantize_int8_pc(w)
+    with torch.inference_mode():
+        x, res = torch.randn(t, 64), torch.randn(t, 96)
+        y = torch.ops.kvflow.quant_linear(x, q, KVFLOW_I8_PC, 64, None, res)
+    torch.testing.assert_close(y, x @ w.T + res, rtol=0.05, atol=0.05 * float(w.abs().max()) * 8)

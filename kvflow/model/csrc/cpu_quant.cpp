@@ -540,6 +540,9 @@ void run_tiles(const at::Tensor& x, const uint8_t* w, int64_t ws, int64_t I, at:
   nt = std::max<int64_t>(16, std::min(nt, (O + nthreads - 1) / nthreads));
   const int64_t tiles = (O + nt - 1) / nt;
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) {
+    // The pool's threads do not inherit the caller's inference mode, and y may be an
+    // inference tensor (the engine runs under torch.inference_mode): in-place needs the guard.
+    c10::InferenceMode guard;
     at::Tensor buf = at::empty({nt, I}, x.options());
     float* bp = buf.data_ptr<float>();
     for (int64_t k = a; k < b; ++k) {
