@@ -2,6 +2,7 @@
 float32 F.linear on the dequantized weight, at the default model's (SmolLM2-135M) shapes:
 
     python benchmarks/quant_gemv.py [ROUNDS] [--qtypes Q4_1,Q8_0] [--tokens 1,2,4,8,16,32,128]
+                                    [--shapes qkv,o,gate_up,down,lm_head] [--threads 2]
 
 Per shape, qtype and token count T: median ms per call over alternating rounds (quant, float,
 quant, ...), and effective GB/s = weight bytes read per call / time (the blocks for quant_linear,
@@ -73,9 +74,10 @@ def main():
     ap.add_argument("--qtypes", default="Q4_1,Q8_0")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,128")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     assert cpu_ops.available(), "kvflow's CPU kernels are not built"
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     tokens = [int(t) for t in a.tokens.split(",")]
     names = {v: k for k, v in quant.NAMES.items()}
     shapes = a.shapes.split(",")

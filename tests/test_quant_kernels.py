@@ -11,7 +11,10 @@ shows that a wrong nibble order or a dropped min breaks it in most rows of a sin
 """
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -187,6 +190,17 @@ def test_env_switch_selects_isa(monkeypatch):
         quant.set_isa_from_env()
     with pytest.raises(RuntimeError, match="unknown ISA"):
         torch.ops.kvflow.quant_set_isa("sse9")
+
+
+def test_env_switch_applies_when_the_kernels_load():
+    """cpu_ops.available() applies KVFLOW_CPU_QUANT_ISA itself: a CI job forces the scalar path
+    for a whole run by the environment alone."""
+    code = ("import torch; from kvflow.model import cpu_ops; assert cpu_ops.available(); "
+            "print(torch.ops.kvflow.quant_isa())")
+    env = dict(os.environ, KVFLOW_CPU_QUANT_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert out.strip().splitlines()[-1] == "scalar"
 
 
 def test_tolerance_catches_wrong_nibble_order_and_scale():

@@ -67,7 +67,7 @@ def quantize_int8_pc(w: torch.Tensor) -> torch.Tensor:
     for c in _row_chunks(w):
         scale = c.abs().amax(dim=1, keepdim=True) / 127
         inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
-        q = torch.round(c * inv).clamp_(-127, 127).to(torch.int8)
+        q = (c * inv).round_().clamp_(-127, 127).to(torch.int8)
         out.append(torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], dim=1))
     return torch.cat(out) if out else torch.empty(0, 4 + w.shape[1], dtype=torch.uint8)
 
@@ -81,12 +81,12 @@ def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
     out = []
     for c in _row_chunks(w):
         b = c.reshape(c.shape[0], -1, 32)
-        mx = b.amax(dim=-1, keepdim=True)
-        mn = b.amin(dim=-1, keepdim=True)
+        mn, mx = torch.aminmax(b, dim=-1, keepdim=True)
         d = (mx - mn) / 15
         inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-        # Separate float32 ops in gguf's order (no fused multiply-add) for identical rounding.
-        q = torch.trunc((b - mn) * inv + 0.5).clamp_(0, 15).to(torch.uint8)
+        # Separate float32 ops in gguf's order (no fused multiply-add) for identical rounding;
+        # in place after the first, since this runs over every weight of a checkpoint.
+        q = (b - mn).mul_(inv).add_(0.5).trunc_().clamp_(0, 15).to(torch.uint8)
         qs = q[..., :16] | (q[..., 16:] << 4)
         blocks = torch.cat([d.half().view(torch.uint8), mn.half().view(torch.uint8), qs], dim=-1)
         out.append(blocks.reshape(c.shape[0], -1))

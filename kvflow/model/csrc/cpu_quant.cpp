@@ -127,7 +127,8 @@ struct CvtF16C {
 // Each format describes its row as blocks of QK elements (BYTES bytes), each NSUB sub-blocks of
 // 32 elements; sub-block k's weights are w = dw * s16 * q + mw with q the 32 small integers
 // (int8: unsigned nibbles or signed values, per SIGNED) and s16 an integer scale per 16 elements
-// (Q6_K only, SC16). head() decodes a block's header once for all of its sub-blocks.
+// (Q6_K only, SC16). head() decodes a block's header once for all of its sub-blocks; the AVX2
+// path takes [dw, mw, 0, 0] from dm_avx(), which for the 32-blocks reads the fp16s directly.
 // Q4_0's mw = -8 * dw folds its zero point into the dot; dequantize() subtracts ZERO from q
 // instead (d * (q - 8), as gguf does, down to the sign of a zero).
 // dequantize() computes exactly gguf's float32 values from the same pieces: the products dw*s16
@@ -155,6 +156,10 @@ struct FQ4_0 {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.p + 2));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
   }
+  KVF_AVX2 static __m128 dm_avx(const H& h, int) {
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(rd16(h.p)));
+    return _mm_mul_ps(_mm_permute_ps(d, 0), _mm_setr_ps(1.f, -8.f, 0.f, 0.f));
+  }
 };
 
 struct FQ4_1 {
@@ -178,6 +183,12 @@ struct FQ4_1 {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.p + 4));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
   }
+  // d and m are adjacent fp16s: one conversion gives [d, m, 0, 0].
+  KVF_AVX2 static __m128 dm_avx(const H& h, int) {
+    int32_t dm;
+    std::memcpy(&dm, h.p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+  }
 };
 
 struct FQ8_0 {
@@ -194,6 +205,9 @@ struct FQ8_0 {
   static void ints(const H& h, int, int8_t* q) { std::memcpy(q, h.p + 2, 32); }
   KVF_AVX2 static __m256i ints_avx(const H& h, int) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.p + 2));
+  }
+  KVF_AVX2 static __m128 dm_avx(const H& h, int) {
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(rd16(h.p)));
   }
 };
 
@@ -214,6 +228,11 @@ struct FI8PC {
   static void ints(const H& h, int, int8_t* q) { std::memcpy(q, h.p, 32); }
   KVF_AVX2 static __m256i ints_avx(const H& h, int) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.p));
+  }
+  KVF_AVX2 static __m128 dm_avx(const H& h, int k) {
+    float dw, mw;
+    scales(h, k, dw, mw);
+    return _mm_setr_ps(dw, mw, 0.f, 0.f);
   }
 };
 
@@ -254,6 +273,11 @@ struct FQ4_K {
     const __m256i v = (k & 1) ? _mm256_srli_epi16(b, 4) : b;
     return _mm256_and_si256(v, _mm256_set1_epi8(15));
   }
+  KVF_AVX2 static __m128 dm_avx(const H& h, int k) {
+    float dw, mw;
+    scales(h, k, dw, mw);
+    return _mm_setr_ps(dw, mw, 0.f, 0.f);
+  }
 };
 
 // Q6_K: 256-element super-blocks: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8
@@ -288,6 +312,11 @@ struct FQ6_K {
     lo = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (s >> 1))), _mm256_set1_epi8(15));
     hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
     return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+  KVF_AVX2 static __m128 dm_avx(const H& h, int k) {
+    float dw, mw;
+    scales(h, k, dw, mw);
+    return _mm_setr_ps(dw, mw, 0.f, 0.f);
   }
 };
 
@@ -364,9 +393,11 @@ KVF_AVX2 inline __m256i dot32(__m256i w, __m256i x, __m256i sc) {
 template <class F, int R, int TT>
 KVF_AVX2 void tile_avx2(const Job& g, int64_t o, int64_t t) {
   __m256 acc[R][TT];
-  float macc[R][TT] = {};
+  // Lane 1 accumulates mw * sx (lane 0 collects dw * dx, unused): the scales of a block are one
+  // [dw, mw] x [dx, sx] multiply, no scalar fp16 conversions or scalar accumulator chains.
+  __m128 macc[R][TT];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TT; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < TT; ++j) acc[r][j] = _mm256_setzero_ps(), macc[r][j] = _mm_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t nb = g.I / F::QK;
   for (int64_t b = 0; b < nb; ++b) {
@@ -374,10 +405,10 @@ KVF_AVX2 void tile_avx2(const Job& g, int64_t o, int64_t t) {
     for (int r = 0; r < R; ++r) h[r] = F::template head<CvtF16C>(g.w + (o + r) * g.ws, b);
     for (int k = 0; k < F::NSUB; ++k) {
       __m256i q[R], sc[R];
-      float dw[R], mw[R];
+      __m128 dm[R];
       for (int r = 0; r < R; ++r) {
         q[r] = F::ints_avx(h[r], k);
-        F::scales(h[r], k, dw[r], mw[r]);
+        dm[r] = F::dm_avx(h[r], k);
         if (F::SC16) {
           int s0, s1;
           F::sc16(h[r], k, s0, s1);
@@ -389,16 +420,21 @@ KVF_AVX2 void tile_avx2(const Job& g, int64_t o, int64_t t) {
       for (int j = 0; j < TT; ++j) {
         const QX& a = g.xq[(t + j) * g.nbx + b * F::NSUB + k];
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q));
+        const __m128 ds = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&a.d)));
         for (int r = 0; r < R; ++r) {
           const __m256 p = _mm256_cvtepi32_ps(dot32<F>(q[r], x, sc[r]));
-          acc[r][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw[r] * a.d), acc[r][j]);
-          if (F::MIN) macc[r][j] += mw[r] * a.s;
+          const __m128 v = _mm_mul_ps(dm[r], ds);
+          acc[r][j] = _mm256_fmadd_ps(p, _mm256_broadcastss_ps(v), acc[r][j]);
+          if (F::MIN) macc[r][j] = _mm_add_ps(macc[r][j], v);
         }
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TT; ++j) store(g, o + r, t + j, hsum(acc[r][j]) + macc[r][j]);
+    for (int j = 0; j < TT; ++j) {
+      const float m = F::MIN ? _mm_cvtss_f32(_mm_movehdup_ps(macc[r][j])) : 0.f;
+      store(g, o + r, t + j, hsum(acc[r][j]) + m);
+    }
 }
 
 // ---- tiling and threads (both ISAs) ----------------------------------------------------------
