@@ -172,9 +172,14 @@ int effective_isa() {
 // Few rows: weight rows split across threads; each chunk of rows streams from memory once.
 void small_rows(const Bf16Gemm& g, int64_t T) {
   const bool avx2 = effective_isa() == kAvx2;
-  // Chunks of >= 48 weight rows (a multiple of 2 and 3) keep the fork/join cost small.
+  // Chunks of 48 weight rows (a multiple of 2 and 3); a thread takes at least 4 MB of weights.
+  // On the shared 2-core AVX2 VM (load ~5) waking a second thread cost ~1 ms, more than
+  // streaming a small matrix alone: decode of the bench model ran 15 tok/s with 1 MB tasks, 22
+  // with 4 MB, 27 never forking (old path 22). Matrices of real models (>= 4 MB) still split.
+  constexpr int64_t kMinTaskBytes = 4 << 20;
   const int64_t chunk = 48, chunks = (g.O + chunk - 1) / chunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / (chunk * g.I * 2));
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     const int64_t o0 = c0 * chunk, o1 = std::min(g.O, c1 * chunk);
 #ifdef KVFLOW_X86
     if (avx2) return rows_avx2_any(g, o0, o1, T);
