@@ -87,6 +87,15 @@ def test_the_isa_switch_accepts_only_known_names():
     assert cpu_ops.set_bf16w_isa("auto") == ("avx2" if HAS_AVX2 else "scalar")
 
 
+def test_the_isa_env_switch_is_applied_when_the_kernels_load(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_BF16W_ISA", "scalar")
+    monkeypatch.delitem(cpu_ops._state, "ok")      # load again (the library itself is cached)
+    try:
+        assert cpu_ops.available() and cpu_ops._state["bf16w_isa"] == "scalar"
+    finally:
+        cpu_ops.set_bf16w_isa("auto")
+
+
 # ---- the model ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_bf16_llama(tmp_path_factory) -> str:

@@ -100,7 +100,7 @@ def available() -> bool:
                           RuntimeWarning, stacklevel=2)
     _state["ok"] = ok
     if ok:      # outside the try: a bad value is an error, not a reason to drop every kernel
-        set_bf16w_isa(os.environ.get("KVFLOW_CPU_BF16W_ISA", "auto"))
+        _state["bf16w_isa"] = set_bf16w_isa(os.environ.get("KVFLOW_CPU_BF16W_ISA", "auto"))
     return ok
 
 
