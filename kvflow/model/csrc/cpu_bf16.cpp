@@ -27,7 +27,7 @@ std::atomic<int> g_isa{kAuto};
 
 // From this many rows of x on, widening a block into a buffer and using the float32 GEMM beats
 // the register tiles (they re-widen the weights for each tile of 4-6 tokens); measured on AVX2
-// (Zen 3), the tiles still won at 32 rows on most shapes of the bench model.
+// (Zen 3, 2 threads), the tiles won at 16 and 24 rows, the buffered GEMM at 32 and 48.
 constexpr int64_t kWideMinRows = 32;
 
 struct Bf16Gemm {
@@ -193,12 +193,17 @@ void small_rows(const Bf16Gemm& g, int64_t T) {
 void wide_rows(const Bf16Gemm& g, const at::Tensor& x32, int64_t T) {
   // ~1 MB of widened weights per block, 64-256 rows: with 32-row blocks (I = 2048) the GEMMs
   // were too narrow and ran 10-20% slower than float32; from 64 rows on, within ~5-10%.
-  const int64_t nb = std::clamp<int64_t>((262144 / std::max<int64_t>(g.I, 1)) / 8 * 8, 64, 256);
-  const int64_t blocks = (g.O + nb - 1) / nb;
+  const int64_t nb_max = std::clamp<int64_t>((262144 / std::max<int64_t>(g.I, 1)) / 8 * 8, 64, 256);
+  // A multiple of the thread count of equal blocks: 768 rows as 256 + 256 | 256 left one thread
+  // idle a third of the time (25-30% slower than float32 at 2 threads).
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks = threads * ((g.O + nb_max * threads - 1) / (nb_max * threads));
+  const int64_t nb = ((g.O + blocks - 1) / blocks + 7) / 8 * 8;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> wbuf(nb * g.I), ybuf(T * nb);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t o0 = b * nb, n = std::min(nb, g.O - o0);
+      if (n <= 0) break;        // rounding nb up to 8 rows can leave the last blocks empty
       for (int64_t r = 0; r < n; ++r) {
         const uint16_t* src = g.w + (o0 + r) * g.ws;
         uint32_t* dst = reinterpret_cast<uint32_t*>(wbuf.data() + r * g.I);
