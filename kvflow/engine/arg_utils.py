@@ -18,6 +18,9 @@ from kvflow.model.backends import check_attention_backend, check_device
 from kvflow.sampling_params import short_repr
 
 
+QUANTIZATIONS = ("int8", "q4")
+
+
 def _arg(default, help: str = "", choices: tuple | None = None, cli: bool = True):
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
@@ -29,6 +32,9 @@ class EngineArgs:
         None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "auto: the checkpoint's dtype where the CPU runs it fast",
                       ("auto", "float32", "bfloat16"))
+    quantization: str | None = _arg(
+        None, "HF checkpoints: quantize the weights at load (int8: per output channel; q4: "
+              "4-bit groups of 32). A GGUF always runs its own blocks", QUANTIZATIONS)
     seed: int = _arg(0, "seed of the sampler for requests without their own")
     num_threads: int | None = _arg(None, "torch intra-op threads (default: torch's)")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (ignored with --num-blocks)")
@@ -65,6 +71,9 @@ class EngineArgs:
         _check_int("seed", self.seed, 0)
         if self.seed >= 1 << 64:        # torch.Generator.manual_seed's limit
             raise ValueError(f"seed must be < 2**64, got {short_repr(self.seed)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got "
+                             f"{short_repr(self.quantization)}")
         check_device(self.device)
         check_attention_backend(self.attention_backend)
         u = self.gpu_memory_utilization

@@ -40,7 +40,8 @@ class EngineCore:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         ckpt = ckpt if ckpt is not None else open_checkpoint(args.model)
-        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device)
+        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device,
+                                        quantization=args.quantization)
         self.model_config, self.dtype = cfg, dtype
         self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
         self.scheduler = Scheduler(self.scheduler_config)

@@ -24,6 +24,8 @@ class Checkpoint:
     tokenizer_json: object = None      # tokenizers.Tokenizer, or None to read tokenizer.json
     chat_template: str | None = None
     special: dict = field(default_factory=dict)     # bos/eos tokens and ids, add_bos
+    # callable -> (HF name, tensor or QuantTensor): weights kvflow can run quantized stay so
+    quantized_weights: object = None
 
 
 def default_model_path() -> str:
@@ -42,7 +44,8 @@ def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
         cfg = dict(g.config, torch_dtype="float32")
         special = {"bos_token_id": g.bos_token_id, "eos_token_id": g.eos_token_id,
                    "add_bos_token": g.add_bos_token}
-        return Checkpoint(str(p), cfg, g.tensors, g.tokenizer, g.chat_template, special)
+        return Checkpoint(str(p), cfg, g.tensors, g.tokenizer, g.chat_template, special,
+                          g.quantized_tensors)
     if not p.is_dir():
         raise FileNotFoundError(f"model path {path!r} is neither a directory with config.json "
                                 f"nor a .gguf file (kvflow never downloads from a hub)")

@@ -1,4 +1,5 @@
-"""kvflow's native CPU kernels (csrc/*.cpp: paged decode attention, RMSNorm, SwiGLU, RoPE, few-row float32 GEMM): built once with the machine's C++ compiler, cached,
+"""kvflow's native CPU kernels (csrc/*.cpp: paged decode attention, RMSNorm, SwiGLU, RoPE, few-row float32 GEMM,
+GGUF-quantized GEMV/GEMM): built once with the machine's C++ compiler, cached,
 and loaded as torch ops (`torch.ops.kvflow.*`).
 
 Why native code: a decode step's attention in plain torch gathers every request's context out of
@@ -24,7 +25,7 @@ import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_gemm.cpp",
-            _CSRC / "cpu_bf16.cpp"]
+            _CSRC / "cpu_quant.cpp", _CSRC / "cpu_bf16.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
 _FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",
@@ -78,6 +79,16 @@ def build(out: Path) -> None:
             os.unlink(tmp)
 
 
+def _apply_quant_isa() -> None:
+    """KVFLOW_CPU_QUANT_ISA (auto | avx2 | scalar) picks quant_linear's code path; a bad value
+    is reported, not fatal to the other kernels."""
+    from kvflow.model.quant import set_isa_from_env
+    try:
+        set_isa_from_env()
+    except Exception as e:
+        warnings.warn(f"KVFLOW_CPU_QUANT_ISA ignored: {e}", RuntimeWarning, stacklevel=3)
+
+
 def available() -> bool:
     """True when torch.ops.kvflow.paged_decode can be called; builds the kernels on first use."""
     if "ok" in _state:
@@ -95,6 +106,7 @@ def available() -> bool:
                         build(path)
             torch.ops.load_library(str(path))
             ok = True
+            _apply_quant_isa()
         except Exception as e:      # no compiler, read-only cache, ...: the torch path still works
             warnings.warn(f"kvflow CPU kernels unavailable, using the torch attention path ({e})",
                           RuntimeWarning, stacklevel=2)

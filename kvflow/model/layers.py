@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.model.quant_weights import quant_linear
+
 # Float32 CPU matmuls of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows go through kvflow's skinny_linear
 # kernel (csrc/cpu_gemm.cpp), which beats MKL there (BENCHMARKS.md); =0 forces torch's path.
 _SKINNY_GEMM = os.environ.get("KVFLOW_CPU_SKINNY_GEMM", "1") != "0"
@@ -30,6 +32,9 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
     """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linear made one,
     through bf16w_linear for a bf16 weight mark_bf16w kept, or in float32 when upcast_linear
     widened the weight (rounded once to x's dtype)."""
+    quant = m.__dict__.get("quant")
+    if quant is not None:
+        return quant_linear(x, quant, m.bias, residual)
     packed = m.__dict__.get("packed")
     if packed is not None:
         if residual is None:

@@ -15,6 +15,7 @@ from torch import nn
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
 from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
+from kvflow.model.quant_weights import QuantTensor, attach, embed
 
 # 0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor skinny_linear)
 _LM_HEAD_WX = os.environ.get("KVFLOW_LM_HEAD_WX", "1") != "0"
@@ -84,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 backend: AttentionBackend, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = embed(self.embed_tokens, input_ids)
         cos_sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(cos_sin, h, backend, kv_cache, meta)
@@ -111,9 +112,12 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, w)
 
     # ---- weights -------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]) -> None:
+        """Copy each weight into its parameter (or its shard of a fused one); a QuantTensor
+        instead becomes its module's quantized weight (quant_weights.attach), parts in order."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        quant: dict[str, dict[int, QuantTensor]] = {}
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -123,28 +127,43 @@ class LlamaForCausalLM(nn.Module):
             for src, dst, shard in self.stacked_params:
                 if f".{src}." in name:
                     name = name.replace(f".{src}.", f".{dst}.")
-                    p = params.get(name)
-                    if p is None:
-                        raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-                    dst_view = _shard(p, shard, self.cfg, dst)
-                    if dst_view.shape != w.shape:
-                        raise ValueError(f"weight {src!r} of {name!r}: checkpoint shape "
-                                         f"{tuple(w.shape)} != {tuple(dst_view.shape)}")
-                    dst_view.copy_(w)
+                    dst_view = _shard(_param(params, name), shard, self.cfg, dst)
+                    _check_shape(w, dst_view, f"weight {src!r} of {name!r}")
+                    _store(w, dst_view, quant.setdefault(name, {}), shard)
                     loaded.add(f"{name}#{shard}")
                     break
             else:
-                p = params.get(name)
-                if p is None:
-                    raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-                if p.shape != w.shape:
-                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(w.shape)} != "
-                                     f"model shape {tuple(p.shape)}")
-                p.data.copy_(w)
+                p = _param(params, name)
+                _check_shape(w, p, f"weight {name!r}")
+                _store(w, p.data, quant.setdefault(name, {}), 0)
                 loaded.add(name)
         missing = [n for n, p in params.items() if not _is_loaded(n, loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+        for name, parts in quant.items():
+            if parts:
+                attach(self.get_submodule(name.removesuffix(".weight")),
+                       [parts[k] for k in sorted(parts)])
+
+
+def _param(params: dict, name: str) -> torch.Tensor:
+    p = params.get(name)
+    if p is None:
+        raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+    return p
+
+
+def _check_shape(w, dst: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(w.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(w.shape)} != model shape "
+                         f"{tuple(dst.shape)}")
+
+
+def _store(w, dst: torch.Tensor, quant_parts: dict, shard: int) -> None:
+    if isinstance(w, QuantTensor):
+        quant_parts[shard] = w
+    else:
+        dst.copy_(w)
 
 
 def _shard(p: torch.Tensor, shard: int, cfg: ModelConfig, dst: str) -> torch.Tensor:

