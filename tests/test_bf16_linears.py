@@ -2,8 +2,9 @@
 
 Where oneDNN can take bf16 weights (AVX512BW/VL/DQ or AVX-NE-CONVERT), each weight is packed once
 and the plain copy dropped; elsewhere (e.g. AVX2-only CPUs, where packing raises) the weights are
-held in float32 and each matmul rounds once to bf16. KVFLOW_CPU_BF16_PACK=0 forces the fallback,
-so both paths run on any CPU. No compiler needed: these are torch paths, not kvflow's kernels.
+kept bf16 for kvflow's bf16w_linear kernel (tests/test_bf16_weights.py), or, without the kernels or
+with KVFLOW_CPU_BF16W=0, held in float32 and each matmul rounds once to bf16.
+KVFLOW_CPU_BF16_PACK=0 forces the fallback, so every path runs on any CPU.
 """
 from __future__ import annotations
 
@@ -31,9 +32,13 @@ def _linears(llm: LLM) -> list[torch.nn.Linear]:
 
 
 def _assert_fallback(llm: LLM) -> None:
+    """Not packed: bf16 weights for kvflow's bf16w_linear where its kernels are built (and
+    KVFLOW_CPU_BF16W is not 0), float32 copies otherwise."""
     linears = _linears(llm)
     assert linears and all("packed" not in m.__dict__ for m in linears)
-    assert all(m.weight.dtype == torch.float32 and m.weight.numel() > 0 for m in linears)
+    want = torch.bfloat16 if layers.bf16w_available() else torch.float32
+    assert all(m.weight.dtype == want and m.weight.numel() > 0 for m in linears)
+    assert all(m.__dict__.get("bf16w", False) == (want == torch.bfloat16) for m in linears)
 
 
 def test_the_packing_check_agrees_with_what_onednn_accepts(monkeypatch):
@@ -63,9 +68,11 @@ def test_bf16_linears_are_packed_once_and_the_plain_copies_dropped(tiny_llama, m
     assert linears and all("packed" in m.__dict__ and m.weight.numel() == 0 for m in linears)
 
 
+@pytest.mark.parametrize("bf16w", ["1", "0"])       # bf16 weights kept (if built); float32 copies
 @pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])     # untied head; tied, with biases
-def test_bf16_linears_fall_back_when_the_cpu_cannot_pack(ckpt, request, monkeypatch):
+def test_bf16_linears_fall_back_when_the_cpu_cannot_pack(ckpt, bf16w, request, monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_BF16_PACK", "0")
+    monkeypatch.setenv("KVFLOW_CPU_BF16W", bf16w)
     llm = LLM(request.getfixturevalue(ckpt), dtype="bfloat16")
     _assert_fallback(llm)
     model = llm.llm_engine.runner.model

@@ -25,7 +25,7 @@ import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_gemm.cpp",
-            _CSRC / "cpu_quant.cpp"]
+            _CSRC / "cpu_quant.cpp", _CSRC / "cpu_bf16.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
 _FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",
@@ -111,7 +111,16 @@ def available() -> bool:
             warnings.warn(f"kvflow CPU kernels unavailable, using the torch attention path ({e})",
                           RuntimeWarning, stacklevel=2)
     _state["ok"] = ok
+    if ok:      # outside the try: a bad value is an error, not a reason to drop every kernel
+        _state["bf16w_isa"] = set_bf16w_isa(os.environ.get("KVFLOW_CPU_BF16W_ISA", "auto"))
     return ok
+
+
+def set_bf16w_isa(isa: str) -> str:
+    """Which kernel bf16w_linear's few-row path uses: "auto" (AVX2 where the CPU has it),
+    "scalar" (the portable fallback, so tests cover it on any CPU) or "avx2". Returns the one in
+    effect. KVFLOW_CPU_BF16W_ISA sets it when the kernels load."""
+    return torch.ops.kvflow.bf16w_set_isa(isa)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ SKINNY_MIN_ROWS = _skinny_min_rows()
 
 def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linear made one,
-    or in float32 when upcast_linear widened the weight (rounded once to x's dtype)."""
+    through bf16w_linear for a bf16 weight mark_bf16w kept, or in float32 when upcast_linear
+    widened the weight (rounded once to x's dtype)."""
     quant = m.__dict__.get("quant")
     if quant is not None:
         return quant_linear(x, quant, m.bias, residual)
@@ -39,6 +40,8 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, m.bias, "add")
+    if m.__dict__.get("bf16w", False):     # a bf16 weight kept as is (mark_bf16w)
+        return torch.ops.kvflow.bf16w_linear(x, m.weight, m.bias, residual)
     if m.weight.dtype != x.dtype:
         return _linear_upcast(x, m, residual)
     if use_skinny(x, m.__dict__.get("skinny", False), SKINNY_MAX_ROWS):
@@ -89,16 +92,68 @@ def _cpu_can_pack_bf16() -> bool:
         return False
 
 
+_BF16W_ENV = "KVFLOW_CPU_BF16W"
+
+
+def bf16w_available() -> bool:
+    """Whether bf16 weights that oneDNN cannot pack can stay bf16: kvflow's bf16w_linear kernel is
+    built (cpu_ops). KVFLOW_CPU_BF16W=0 answers no, restoring the float32 weight copies (the
+    benchmarks' old path)."""
+    if os.environ.get(_BF16W_ENV, "1") == "0":
+        return False
+    from kvflow.model import cpu_ops
+    return cpu_ops.available()
+
+
 def prepare_linears(linears: list[nn.Linear], dtype: torch.dtype, device: str) -> str | None:
-    """Get a bf16 CPU model's Linear weights ready for `linear`: packed for oneDNN where the CPU
-    supports it, else widened to float32, since torch's unpacked bf16 matmul is several times
-    slower there (BENCHMARKS.md). Returns "packed", "float32", or None (nothing to do)."""
-    if dtype != torch.bfloat16 or device != "cpu":
+    """Get a CPU model's bf16 Linear weights ready for `linear` (dtype: the activations'): packed
+    for oneDNN where the CPU supports it; else kept bf16 for kvflow's bf16w_linear, which widens
+    them in registers (half the bytes of a float32 copy); else, without the kernels, widened to
+    float32, since torch's unpacked bf16 matmul is several times slower there (BENCHMARKS.md).
+    Returns "packed", "bf16w", "float32", or None (no bf16 weight: nothing to do)."""
+    if device != "cpu" or not any(m.weight.dtype == torch.bfloat16 for m in linears):
         return None
-    how = "packed" if bf16_pack_supported() else "float32"
+    if dtype == torch.bfloat16 and bf16_pack_supported():
+        how, prepare = "packed", pack_linear
+    elif bf16w_available():
+        how, prepare = "bf16w", mark_bf16w
+    else:
+        how, prepare = "float32", upcast_linear
     for m in linears:
-        (pack_linear if how == "packed" else upcast_linear)(m)
+        prepare(m)
     return how
+
+
+def mark_bf16w(m: nn.Linear) -> None:
+    """Route a bf16 weight to bf16w_linear as it is. The bias (O values) is held in float32, the
+    kernel's summing type, so that no call widens it."""
+    m.__dict__["bf16w"] = True
+    if m.bias is not None and m.bias.dtype != torch.float32:
+        m.bias = nn.Parameter(m.bias.detach().float(), requires_grad=False)
+
+
+class WideningEmbedding(nn.Embedding):
+    """A bf16 table whose lookups come out float32 (exact): a float32 model over bf16 weights."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim,
+                         _weight=torch.empty(num_embeddings, embedding_dim, dtype=torch.bfloat16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+
+def keep_bf16_weights(model: nn.Module) -> None:
+    """Before loading a bf16 checkpoint into a float32 CPU model: give its Linears and embeddings
+    bf16 weights, so that the checkpoint's values are held as they are (2 bytes a weight) while
+    the activations stay float32; prepare_linears then routes the Linears to bf16w_linear."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Embedding:
+                setattr(parent, name, WideningEmbedding(child.num_embeddings, child.embedding_dim))
+            elif isinstance(child, nn.Linear):
+                child.weight = nn.Parameter(child.weight.new_empty(
+                    child.weight.shape, dtype=torch.bfloat16), requires_grad=False)
 
 
 def pack_linear(m: nn.Linear) -> None:

@@ -16,12 +16,10 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 
 def bf16_is_fast() -> bool:
-    # bf16 matmuls are fast only with AVX512-BF16 / AMX; elsewhere they are emulated and slower
-    # than float32.
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    # bf16 matmuls are fast only where oneDNN packs bf16 weights (AVX512-BF16 / AMX class CPUs);
+    # elsewhere torch emulates them, slower than float32. KVFLOW_CPU_BF16_PACK=0 says no here too.
+    from kvflow.model.layers import bf16_pack_supported
+    return bf16_pack_supported()
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str = "cpu"):
@@ -39,10 +37,18 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str =
     return want
 
 
+def keeps_bf16_weights(dtype, checkpoint_dtype: str, resolved: torch.dtype, device: str) -> bool:
+    """dtype="auto" on a CPU where bf16 is slow resolves a bf16 checkpoint to float32 compute; its
+    weights still stay bf16 (bf16w_linear widens them exactly), as fast and half the memory."""
+    from kvflow.model.layers import bf16w_available
+    return (dtype == "auto" and device == "cpu" and checkpoint_dtype == "bfloat16"
+            and resolved == torch.float32 and bf16w_available())
+
+
 def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
-    """Pack or widen the Linear weights (layers.prepare_linears), the LM head's too. A tied head
-    is the embedding, which the lookup still needs in the model dtype: the head gets its own
-    Linear over it, which compute_logits uses."""
+    """Pack, keep or widen the bf16 Linear weights (layers.prepare_linears), the LM head's too. A
+    tied head is the embedding, which the lookup still needs as it is: the head gets its own
+    Linear over it (the same tensor unless packed or widened), which compute_logits uses."""
     from kvflow.model.layers import prepare_linears
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and "quant" not in m.__dict__]
@@ -88,7 +94,7 @@ def _no_init():
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                 device: str = "cpu", quantization: str | None = None
                 ) -> tuple[ModelConfig, nn.Module, torch.dtype]:
-    from kvflow.model.layers import use_cpu_kernels
+    from kvflow.model.layers import keep_bf16_weights, use_cpu_kernels
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
@@ -98,6 +104,8 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
     max_len = max_model_len or cfg.max_position_embeddings
     with _no_init():
         model = classes[cfg.architecture](cfg, max_len).to(dtype=dt, device=device)
+    if quantization is None and keeps_bf16_weights(dtype, cfg.torch_dtype, dt, device):
+        keep_bf16_weights(model)
     with torch.inference_mode():
         model.load_weights(_weights(ckpt, quantization, device, dt))
     model.rotary.build(dt, device)
