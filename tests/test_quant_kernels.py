@@ -2,7 +2,7 @@
 own dequantization.
 
 The reference is gguf.quants.dequantize of the same bytes, multiplied in float64. Tolerance: the
-few-token path quantizes each block of 32 activations to int8 with step d = max|x_b| / 127, so
+few-token path quantizes each block of 32 activations to int16 with step d = max|x_b| / 32767, so
 x is off by at most d / 2 per element and, the weight side being exact integers times its
 scales, |y - y_ref| <= sum over blocks of d_b / 2 * sum_b |w| (the bound `_bound` computes),
 plus float32 rounding (1e-5 of sum |w||x|). The many-token path only has the rounding. The bound
@@ -97,7 +97,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rounding = 1e-5 * (xd.abs() @ wa.T)
     if i % 32:
         return rounding
-    step = xd.view(t, i // 32, 32).abs().amax(-1) / 127          # [T, blocks]
+    step = xd.view(t, i // 32, 32).abs().amax(-1) / 32767        # [T, blocks]
     wsum = wa.view(w.shape[0], i // 32, 32).sum(-1)               # [O, blocks]
     return 0.5 * 1.001 * step @ wsum.T + rounding
 

@@ -1,6 +1,6 @@
 """Models that run their weights quantized: a GGUF's blocks as stored, an HF checkpoint quantized at
 load (quantization="int8" | "q4"). Each is judged against its twin that dequantizes the same
-weights to float32 (KVFLOW_CPU_QUANT=0): the same model up to the activations' 8-bit rounding."""
+weights to float32 (KVFLOW_CPU_QUANT=0): the same model up to the activations' 16-bit rounding."""
 from __future__ import annotations
 
 import pytest
