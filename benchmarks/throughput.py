@@ -181,6 +181,8 @@ def worker_kvflow(spec: dict, result_path: str) -> None:
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec["num_threads"]:
         kw["num_threads"] = spec["num_threads"]
+    if spec.get("kvflow_quantization"):
+        kw["quantization"] = spec["kvflow_quantization"]
     llm = LLM(spec["model"], **kw)
     t_load = time.time()
     # Cold-start probe through LLMEngine: one request, step until its first token.
@@ -409,6 +411,8 @@ def main() -> None:
     ap.add_argument("--model", help="HF checkpoint dir (default: the bench Llama of "
                                     "make_bench_model.py, built if missing)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--kvflow-quantization", choices=("int8", "q4"),
+                    help="kvflow only: quantize the weights at load (activations in --dtype)")
     ap.add_argument("--max-model-len", type=int,
                     help="default: the model's max_position_embeddings")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -477,7 +481,8 @@ def main() -> None:
     spec = dict(model=a.model, dtype=a.dtype, max_model_len=max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 hf_batch_sizes=hf_sizes, num_threads=a.num_threads,
-                ignore_eos=a.ignore_eos, eos_token_id=eos, pad_token_id=pad,
+                kvflow_quantization=a.kvflow_quantization, ignore_eos=a.ignore_eos,
+                eos_token_id=eos, pad_token_id=pad,
                 vllm_kwargs=json.loads(a.vllm_kwargs), prompts=prompts, output_lens=outs,
                 spawn_time=0.0)
     m = machine()
