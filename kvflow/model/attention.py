@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvflow.model.cpu_ops import ops
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -154,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
         ex = meta.extra
         slots = meta.slot_mapping
         if self.use_kernels and kv_cache.dtype in _KERNEL_DTYPES and not kv_cache.is_cuda:
-            torch.ops.kvflow.store_kv_(kv_cache, kv, slots)
+            ops.store_kv_(kv_cache, kv, slots)
         else:   # two index_copy_ calls: index_put_ with a [T, 2] index is ~50x slower on CPU
             kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 0])
             kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, kv[:n, 1])
@@ -163,7 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
         d = meta.num_decodes
         out = torch.empty_like(q) if d < n else None
         if d and "d_table" in ex and kv_cache.dtype in _KERNEL_DTYPES and not kv_cache.is_cuda:
-            o = torch.ops.kvflow.paged_decode(q[:d], kv_cache, ex["d_table"], ex["d_lens"], scale)
+            o = ops.paged_decode(q[:d], kv_cache, ex["d_table"], ex["d_lens"], scale)
             if d == n:
                 return o
             out[:d] = o

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.model.cpu_ops import ops
 from kvflow.model.quant_weights import quant_linear
 
 # Float32 CPU matmuls of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows go through kvflow's skinny_linear
@@ -41,11 +42,11 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
             return torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, m.bias, "add")
     if m.__dict__.get("bf16w", False):     # a bf16 weight kept as is (mark_bf16w)
-        return torch.ops.kvflow.bf16w_linear(x, m.weight, m.bias, residual)
+        return ops.bf16w_linear(x, m.weight, m.bias, residual)
     if m.weight.dtype != x.dtype:
         return _linear_upcast(x, m, residual)
     if use_skinny(x, m.__dict__.get("skinny", False), SKINNY_MAX_ROWS):
-        return torch.ops.kvflow.skinny_linear(x, m.weight, m.bias, residual)
+        return ops.skinny_linear(x, m.weight, m.bias, residual)
     if residual is None:
         return F.linear(x, m.weight, m.bias)
     if m.bias is not None:
@@ -206,7 +207,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dim() == 2 and x.stride(1) == 1:
-            return torch.ops.kvflow.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         # One fused op. It multiplies by the weight before rounding to the model dtype, where HF
         # rounds first: identical in float32, slightly more precise in bf16. (On CPU, bf16
         # F.rms_norm decomposes into ~8 ops over a float32 copy, hence the kernel above.)
@@ -268,7 +269,7 @@ class RotaryEmbedding(nn.Module):
     def apply_(cos_sin: tuple, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] in place (q and k heads side by side, one pass)."""
         if len(cos_sin) == 3:
-            torch.ops.kvflow.rotary_(x, *cos_sin)
+            ops.rotary_(x, *cos_sin)
             return x
         cos, signed_sin = cos_sin
         rolled = x.roll(x.shape[-1] // 2, dims=-1)
@@ -288,6 +289,6 @@ class MLP(nn.Module):
         """Returns residual + mlp(x); down_proj and the residual add are one addmm."""
         gate_up = linear(x, self.gate_up_proj)
         if self.use_kernels:
-            return linear(torch.ops.kvflow.silu_and_mul(gate_up), self.down_proj, residual)
+            return linear(ops.silu_and_mul(gate_up), self.down_proj, residual)
         gate, up = gate_up.chunk(2, dim=-1)
         return linear(F.silu(gate).mul_(up), self.down_proj, residual)

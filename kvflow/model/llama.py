@@ -14,6 +14,7 @@ from torch import nn
 
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
+from kvflow.model.cpu_ops import ops
 from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
 from kvflow.model.quant_weights import QuantTensor, attach, embed
 
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
                                       _LM_HEAD_SKINNY_ROWS, 1):
             # One pass over the vocabulary's weights for all rows; beats both torch orders even
             # for one row (BENCHMARKS.md, "Skinny GEMM").
-            return torch.ops.kvflow.skinny_linear(hidden, w)
+            return ops.skinny_linear(hidden, w)
         if _LM_HEAD_WX and 1 < hidden.shape[0] <= 256 and w.dtype == torch.float32 \
                 and not w.is_cuda:
             # W @ x.T, not x @ W.T: MKL's float32 GEMM with a few rows of x runs 2-3x slower

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvflow.model.cpu_ops import ops
 from kvflow.model.quant import KVFLOW_I8_PC, NAMES, Q4_1
 
 KERNEL_QTYPES = frozenset(NAMES)
@@ -31,7 +32,7 @@ class QuantTensor:
     shape: tuple[int, int]
 
     def dequantize(self) -> torch.Tensor:
-        return torch.ops.kvflow.quant_dequantize(self.data, self.qtype, self.shape[1])
+        return ops.quant_dequantize(self.data, self.qtype, self.shape[1])
 
 
 def kernels_ready() -> bool:
@@ -61,7 +62,7 @@ def attach(m: nn.Module, parts: list[QuantTensor]) -> None:
 
 def quant_linear(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor | None,
                  residual: torch.Tensor | None) -> torch.Tensor:
-    op = torch.ops.kvflow.quant_linear
+    op = ops.quant_linear
     if len(parts) == 1:
         p = parts[0]
         return op(x, p.data, p.qtype, p.shape[1], bias, residual)
@@ -79,7 +80,7 @@ def embed(m: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     if parts is None:
         return m(ids)
     p = parts[0]
-    return torch.ops.kvflow.quant_dequantize(p.data.index_select(0, ids), p.qtype, p.shape[1])
+    return ops.quant_dequantize(p.data.index_select(0, ids), p.qtype, p.shape[1])
 
 
 # HF names of the weights quantization="int8" | "q4" quantizes: every Linear and the embedding

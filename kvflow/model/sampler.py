@@ -28,7 +28,7 @@ class Sampler:
         if self.device.type == "cpu":
             from kvflow.model import cpu_ops
             # Greedy rows in one pass over the logits (cpu_layers.cpp), cheaper than torch's max.
-            self._argmax_rows = torch.ops.kvflow.argmax_rows if cpu_ops.available() else None
+            self._argmax_rows = cpu_ops.ops.argmax_rows if cpu_ops.available() else None
 
     def _up(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return upload(data, dtype, self.device)
