@@ -38,7 +38,8 @@ from kvflow.server.http_server import make_server
 from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, ErrorResponse, TokenizeRequest)
-from kvflow.server.serving import OpenAIServing, SSEStream
+from kvflow.server.serving import OpenAIServing
+from kvflow.server.sse import SSEStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("uvicorn.error")

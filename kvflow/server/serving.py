@@ -9,7 +9,6 @@ the concatenated stream therefore always equals the non-streamed text.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,23 +22,13 @@ from kvflow.sampling_params import SamplingParams, short_repr
 from kvflow.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvflow.server.protocol import (UNSUPPORTED, ApiError, ChatCompletionRequest,
                                      CompletionRequest, usage)
+from kvflow.server.sse import ChunkMaker, SSEStream, merge, sse
 from kvflow.server.structured import check_structured_outputs, structured_outputs_of
 
 
 # Completions (prompts x n) one request may ask for: a 1 MiB body of one-token prompts would
 # otherwise queue ~100k requests at once.
 MAX_CHOICES = 4096
-
-
-class SSEStream:
-    """A streamed answer: the SSE text chunks, and the requests to abort if nobody reads them."""
-
-    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
-        self.body, self.streams = body, streams
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.close()
 
 
 _SP_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop",
@@ -255,11 +244,11 @@ class OpenAIServing:
         n = sp.n        # choice k = stream i's completion j: i * n + j (chat: one stream)
         finals: list[RequestOutput | None] = [None] * len(streams)
         extra = {"usage": None} if include_usage else {}
-        chunk = _ChunkMaker(meta, obj, chat, extra, sp, self.tokenizer)
+        chunk = ChunkMaker(meta, obj, chat, extra, sp, self.tokenizer)
         to_echo = set(range(len(streams))) if echo else set()
         try:
             first = True
-            async for i, out in _merge(streams):
+            async for i, out in merge(streams):
                 if chat and first:      # as vLLM: the role chunks come with the first output
                     first = False
                     for k in range(n):
@@ -276,74 +265,15 @@ class OpenAIServing:
                     if text is not None:
                         yield text
             if include_usage:
-                yield _sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
+                yield sse({**meta, "object": obj, "choices": [], "usage": _usage(finals)})
         except EngineDeadError as e:
-            yield _sse(ApiError(500, str(e), None, type="server_error").body())
+            yield sse(ApiError(500, str(e), None, type="server_error").body())
         except ApiError as e:       # this request failed in the engine; the others go on
-            yield _sse(e.body())
+            yield sse(e.body())
         finally:
             for s in streams:
                 s.close()
         yield "data: [DONE]\n\n"
-
-
-class _ChunkMaker:
-    """The SSE chunks of one streamed answer."""
-
-    def __init__(self, meta: dict, obj: str, chat: bool, extra: dict, sp: SamplingParams,
-                 tokenizer) -> None:
-        self.meta, self.obj, self.chat, self.extra = meta, obj, chat, extra
-        self.sp, self.tokenizer = sp, tokenizer
-        self.holdback = max((len(s) for s in sp.stop), default=1) - 1
-        self.sent: dict[int, int] = {}          # characters sent, per choice
-        self.sent_toks: dict[int, int] = {}     # tokens whose logprobs are sent, per choice
-        self.done: set[int] = set()             # choices whose last chunk is sent
-
-    def delta(self, k: int, c: CompletionOutput) -> str | None:
-        """Choice k's chunk with what `c` adds since the last one, or None if nothing."""
-        if k in self.done:
-            return None
-        sent, fin = self.sent.get(k, 0), c.finished()
-        end = len(c.text) if fin else max(len(c.text) - self.holdback, sent)
-        text = c.text[sent:end]
-        self.sent[k] = end
-        if not fin and not text:
-            return None
-        lps = c.logprobs[self.sent_toks.get(k, 0):] if c.logprobs is not None else None
-        self.sent_toks[k] = len(c.token_ids)
-        toks = c.token_ids[len(c.token_ids) - len(lps):] if lps is not None else []
-        if not fin:
-            return self(k, text, lps, toks)
-        self.done.add(k)
-        return self(k, text if text or not self.chat else None, lps, toks, c.finish_reason,
-                    c.stop_reason)
-
-    def __call__(self, i: int, text: str | None, lps, toks: list[int],
-                 finish: str | None = None, stop_reason=None) -> str:
-        if self.chat:
-            delta = {} if text is None else {"content": text}
-            lp = (chat_logprobs(lps, toks, self.sp.logprobs or 0) if lps is not None else None)
-            c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            lp = completion_logprobs(lps, toks, self.tokenizer) if lps is not None else None
-            c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        if finish is not None:
-            c["stop_reason"] = stop_reason
-        return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
-
-    def role(self, i: int) -> str:
-        return _sse({**self.meta, "object": self.obj, "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""},
-             "logprobs": None, "finish_reason": None}], **self.extra})
-
-    def echo(self, i: int, out: RequestOutput, prompt: str) -> str:
-        """The prompt, first (completions with echo), with its logprobs if asked for."""
-        lps = None
-        if self.sp.logprobs is not None and out.prompt_logprobs is not None:
-            lps = completion_logprobs(out.prompt_logprobs, out.prompt_token_ids,
-                                      self.tokenizer)
-        c = {"index": i, "text": prompt, "logprobs": lps, "finish_reason": None}
-        return _sse({**self.meta, "object": self.obj, "choices": [c], **self.extra})
 
 
 def _chat_choice(o: RequestOutput, c: CompletionOutput, sp: SamplingParams) -> dict:
@@ -376,10 +306,6 @@ def _raise_if_failed(out: RequestOutput) -> None:
                         f"other requests are unaffected", None, type="server_error")
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 def _usage(outs: list[RequestOutput | None]) -> dict:
     # As vLLM: a prompt counts once however many completions (n) it has.
     p = sum(len(o.prompt_token_ids) for o in outs if o is not None)
@@ -390,45 +316,10 @@ def _usage(outs: list[RequestOutput | None]) -> dict:
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     last: list[RequestOutput | None] = [None] * len(streams)
     try:
-        async for i, out in _merge(streams):
+        async for i, out in merge(streams):
             _raise_if_failed(out)
             last[i] = out
     finally:
         for s in streams:
             s.close()
     return last     # type: ignore[return-value]
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from several streams as they come; one stream needs no tasks."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                q.put_nowait((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:      # handed to the consumer, which raises it
-            q.put_nowait((i, e))
-            return
-        q.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await q.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
