@@ -14,7 +14,7 @@ import torch
 
 from kvflow.model.attention import AttentionMetadata
 from kvflow.model.h2d import host
-from kvflow.model.runner import StepInputs
+from kvflow.model.input_batch import StepInputs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

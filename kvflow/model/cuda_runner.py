@@ -9,7 +9,8 @@ import torch
 
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.runner import ModelRunner, StepInputs
+from kvflow.model.input_batch import StepInputs
+from kvflow.model.runner import ModelRunner
 from kvflow.model.sampler import Sampler
 
 _GIB = 1 << 30
