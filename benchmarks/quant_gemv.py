@@ -4,10 +4,15 @@ float32 F.linear on the dequantized weight, at the default model's (SmolLM2-135M
     python benchmarks/quant_gemv.py [ROUNDS] [--qtypes Q4_1,Q8_0] [--tokens 1,2,4,8,16,32,128]
                                     [--shapes qkv,o,gate_up,down,lm_head] [--threads 2]
 
+    python benchmarks/quant_gemv.py --walk [--tokens 1,32]
+
 Per shape, qtype and token count T: median ms per call over alternating rounds (quant, float,
 quant, ...), and effective GB/s = weight bytes read per call / time (the blocks for quant_linear,
 the float32 matrix for F.linear). The last rows sum one decode token (T=1) over the whole model:
 30 layers of qkv + o + gate_up + down in the linears' qtype, plus the Q8_0 LM head.
+That sum repeats each matrix, which then sits in L3; --walk instead times one whole model step
+over 30 distinct layers' weights (~85 MB at Q4_1, as a decode step reads them: from DRAM) and
+prints the median ms per step and per token.
 """
 import argparse
 import statistics
@@ -68,6 +73,30 @@ def bench(name, qtype, i, o, tokens, rounds, totals):
               f"{m['f'] / m['q']:.2f}x |", flush=True)
 
 
+def model_walk(op, qtype: int, tokens, rounds: int) -> None:
+    """Median time of one model step (30 layers of distinct weights + the LM head) per T."""
+    layers = [{n: make_qweight(qtype, o, i) for n, (i, o) in SHAPES.items()} for _ in range(LAYERS)]
+    head = make_qweight(quant.Q8_0, LM_HEAD[2], LM_HEAD[1])
+    nbytes = sum(w.numel() for lay in layers for w in lay.values()) + head.numel()
+    for t in tokens:
+        xs = {i: torch.randn(t, i) for i in {576, 1536}}
+
+        def step():
+            for lay in layers:
+                for n, (i, o) in SHAPES.items():
+                    op(xs[i], lay[n], qtype, i)
+            op(xs[576], head, quant.Q8_0, 576)
+        step()
+        times = []
+        for _ in range(max(3, rounds)):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        m = statistics.median(times)
+        print(f"| model step, {quant.NAMES[qtype]} layers + Q8_0 head | T={t} | {m:.2f} ms | "
+              f"{m / t:.3f} ms/token | {nbytes / m / 1e6:.1f} GB/s |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("rounds", nargs="?", type=int, default=10)
@@ -75,6 +104,7 @@ def main():
     ap.add_argument("--tokens", default="1,2,4,8,16,32,128")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--walk", action="store_true", help="whole model steps over distinct weights")
     a = ap.parse_args()
     assert cpu_ops.available(), "kvflow's CPU kernels are not built"
     torch.set_num_threads(a.threads)
@@ -84,6 +114,10 @@ def main():
     print(cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"quant ISA {torch.ops.kvflow.quant_isa()}")
+    if a.walk:
+        for qname in a.qtypes.split(","):
+            model_walk(torch.ops.kvflow.quant_linear, names[qname], tokens, a.rounds)
+        return
     print("| shape (I x O) | qtype | T | quant_linear ms | GB/s | F.linear fp32 ms | GB/s | "
           "speedup |\n|---|---|---|---|---|---|---|---|")
     for qname in a.qtypes.split(","):

@@ -142,6 +142,53 @@ def test_quant_linear_model_shapes_with_bias_and_residual(isa, qtype, t):
     _check_linear(qtype, t, i, 130, with_bias=True, with_res=True, seed=100 + t)
 
 
+@pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0, quant.Q4_0], ids=lambda q: quant.NAMES[q])
+def test_every_token_count_to_70_matches_reference_and_is_batch_invariant(isa, qtype):
+    """Every T from 1 to 70 (each token tile split, the few-token / tile threshold, odd O):
+    within the bound of the reference, and each token's row bit for bit what the same token
+    gives alone on the few-token path, or alone on the tile path, whichever its T takes."""
+    i, o = 96, 37
+    qw_np = make_weight(qtype, o, i, seed=7)
+    qw = torch.from_numpy(qw_np)
+    w = torch.from_numpy(reference_dequantize(qw_np, qtype, i)).double()
+    x = torch.randn(70, i, generator=torch.Generator().manual_seed(7))
+    alone = torch.cat([torch.ops.kvflow.quant_linear(x[k:k + 1], qw, qtype, i) for k in range(70)])
+    big = torch.ops.kvflow.quant_linear(x, qw, qtype, i)     # 70 tokens: the tile path
+    bound = _bound(x, w) + 1e-6 * (x.double() @ w.T).abs() + 1e-6
+    assert ((alone.double() - x.double() @ w.T).abs() <= bound).all()
+    assert ((big.double() - x.double() @ w.T).abs() <= bound).all()
+    small_t = None
+    for t in range(1, 71):
+        y = torch.ops.kvflow.quant_linear(x[:t], qw, qtype, i)
+        if torch.equal(y, alone[:t]):
+            assert small_t is None or small_t == t - 1, f"T={t} took the few-token path again"
+            small_t = t
+        else:     # past the threshold: the tile path, whose rows agree to float rounding
+            assert small_t is not None and t > small_t
+            err = (y.double() - alone[:t].double()).abs()
+            assert (err <= 1e-5 * (x[:t].double().abs() @ w.abs().T) + 1e-6).all(), f"T={t}"
+    assert small_t is not None and small_t >= 4
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="this CPU lacks AVX2/FMA/F16C")
+@pytest.mark.parametrize("qtype", [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.KVFLOW_I8_PC],
+                         ids=lambda q: quant.NAMES[q])
+def test_prefetch_past_the_last_row_is_harmless(qtype):
+    """The few-token path prefetches ahead of the block it reads: a weight that ends at the
+    end of a page-aligned mapping (the last rows of the tensor) must still compute right."""
+    i, o = 64, 3
+    qw = torch.from_numpy(make_weight(qtype, o, i, seed=9))
+    x = torch.randn(2, i, generator=torch.Generator().manual_seed(9))
+    torch.ops.kvflow.quant_set_isa("avx2")
+    try:
+        y = torch.ops.kvflow.quant_linear(x, qw, qtype, i)
+    finally:
+        torch.ops.kvflow.quant_set_isa("auto")
+    ref = x.double() @ torch.from_numpy(reference_dequantize(qw.numpy(), qtype, i)).double().T
+    assert ((y.double() - ref).abs() <= _bound(x, torch.from_numpy(
+        reference_dequantize(qw.numpy(), qtype, i)).double()) + 1e-6).all()
+
+
 @pytest.mark.parametrize("t", [1, 3, 20])
 def test_int8_rows_of_any_length(isa, t):
     """KVFLOW_I8_PC has no 32-blocks of its own: an I that is not a multiple of 32 still works."""
