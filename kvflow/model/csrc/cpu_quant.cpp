@@ -8,6 +8,8 @@
 // scheme, with 16-bit activations where it uses 8): sum_i w_i x_i = dw * dx * sum(qw * qx) +
 // mw * dx * sum(qx). Weight rows are register
 // tiled R rows x TT tokens so a block is unpacked once for all the tokens of the tile.
+// 13..24 tokens (AVX2, the 32-block formats): the same integer dots with 8 tokens in the vector
+// lanes (run_lanes), so each block scale is applied to 8 tokens in one multiply.
 // Many tokens (prefill): tiles of weight rows are dequantized into a cache-sized float32 buffer
 // and multiplied with BLAS, so batches run at float-GEMM speed with no full float32 W. Its
 // activations are rounded as the few-token path's are (round_like_small_t).
