@@ -170,6 +170,24 @@ def test_every_token_count_to_70_matches_reference_and_is_batch_invariant(isa, q
     assert small_t is not None and small_t >= 4
 
 
+@pytest.mark.parametrize("qtype", [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.KVFLOW_I8_PC],
+                         ids=lambda q: quant.NAMES[q])
+def test_each_path_is_batch_invariant_bitwise(isa, qtype):
+    """A token's row is bit for bit the same whichever T in 13..24 (AVX2: the token-lanes path,
+    8 tokens a vector; scalar: the tiles) or in 1..12 (few-token path) it is computed with,
+    with a bias and a residual, and O not a multiple of the 2-row tile."""
+    i, o = 96, 37
+    qw = torch.from_numpy(make_weight(qtype, o, i, seed=11))
+    g = torch.Generator().manual_seed(11)
+    x, bias, res = torch.randn(24, i, generator=g), torch.randn(o, generator=g), torch.randn(24, o, generator=g)
+    for lo, hi in ((1, 12), (13, 24)):
+        full = torch.ops.kvflow.quant_linear(x[:hi], qw, qtype, i, bias, res[:hi])
+        for t in range(lo, hi):
+            y = torch.ops.kvflow.quant_linear(x[:t], qw, qtype, i, bias, res[:t])
+            if isa == "avx2" or hi == 12:
+                assert torch.equal(y, full[:t]), f"T={t}"
+
+
 @pytest.mark.skipif(not _has_avx2(), reason="this CPU lacks AVX2/FMA/F16C")
 @pytest.mark.parametrize("qtype", [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.KVFLOW_I8_PC],
                          ids=lambda q: quant.NAMES[q])
