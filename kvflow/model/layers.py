@@ -33,6 +33,9 @@ def linear(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None = None) 
     """x @ W.T (+ bias) (+ residual), through the oneDNN-packed weight when pack_linear made one,
     through bf16w_linear for a bf16 weight mark_bf16w kept, or in float32 when upcast_linear
     widened the weight (rounded once to x's dtype)."""
+    q1 = m.__dict__.get("quant1")       # one quantized part: the op, no Python in between
+    if q1 is not None:
+        return ops.quant_linear(x, q1[0], q1[1], q1[2], q1[3], residual)
     quant = m.__dict__.get("quant")
     if quant is not None:
         return quant_linear(x, quant, m.bias, residual)

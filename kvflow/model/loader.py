@@ -50,6 +50,7 @@ def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
     tied head is the embedding, which the lookup still needs as it is: the head gets its own
     Linear over it (the same tensor unless packed or widened), which compute_logits uses."""
     from kvflow.model.layers import prepare_linears
+    from kvflow.model.quant_weights import set_quant
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and "quant" not in m.__dict__]
     head = model.lm_head
@@ -58,7 +59,7 @@ def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
         head.weight = nn.Parameter(model.embed_tokens.weight.detach(), requires_grad=False)
         quant = model.embed_tokens.__dict__.get("quant")
         if quant is not None:       # the tied head reads the embedding's blocks
-            head.__dict__["quant"] = quant
+            set_quant(head, quant)
         else:
             linears.append(head)
     if prepare_linears(linears, dtype, device) or "quant" in head.__dict__:

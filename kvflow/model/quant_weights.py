@@ -56,8 +56,16 @@ def attach(m: nn.Module, parts: list[QuantTensor]) -> None:
                          f"the module's {want}")
     if len(parts) > 1 and len({p.qtype for p in parts}) == 1:
         parts = [QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, want)]
-    m.__dict__["quant"] = parts
+    set_quant(m, parts)
     m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)
+
+
+def set_quant(m: nn.Module, parts: list[QuantTensor]) -> None:
+    """m runs from parts; one part is also kept as quant_linear's arguments (layers.linear)."""
+    m.__dict__["quant"] = parts
+    if len(parts) == 1 and isinstance(m, nn.Linear):
+        p = parts[0]
+        m.__dict__["quant1"] = (p.data, p.qtype, p.shape[1], m.bias)
 
 
 def quant_linear(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor | None,
