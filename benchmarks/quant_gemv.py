@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 from cpu_info import cpu_line
+from skinny_gemm import medians
 
 from kvflow.model import cpu_ops, quant
 
@@ -39,18 +40,6 @@ def make_qweight(qtype: int, o: int, i: int) -> torch.Tensor:
         return quant.quantize_int8_pc(w)
     from gguf.quants import quantize
     return torch.from_numpy(quantize(w.numpy(), qtype))
-
-
-def medians(fns: dict, calls: int) -> dict:
-    for f in fns.values():
-        f(), f()
-    times = {k: [] for k in fns}
-    for _ in range(calls):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench(name, qtype, i, o, tokens, rounds, totals):
