@@ -3,8 +3,9 @@ scored by loglikelihood, one by generation; shipped in tests/data/lm_eval) run t
 `local-completions` model against `kvflow serve`, and through its `hf` model (HF transformers)
 on the same weights, and the two runs are compared score by score and item by item.
 
-Both sides run the default model (the embedded SmolLM2-135M-Instruct GGUF, converted to an HF
-directory for transformers by gguf_to_hf.py) in float32, so that they can agree to float noise.
+Both sides run the default model (the embedded SmolLM2-135M-Instruct GGUF): `kvflow serve` its
+quantized blocks as it serves them by default, transformers the same weights dequantized to an
+HF directory (gguf_to_hf.py) in float32.
 Everything is offline: the task data are local JSON lines files.
 
     python benchmarks/lm_eval_judge.py [--tasks kvflow_mc,kvflow_gen] [--json OUT]
@@ -43,10 +44,11 @@ from kvflow.server.cli import DEFAULT_SERVED_NAME  # noqa: E402
 
 TASK_DIR = ROOT / "tests" / "data" / "lm_eval"
 TASKS = ["kvflow_mc", "kvflow_gen"]
-# Per-choice loglikelihoods summed over a few tokens in float32: two implementations of the same
-# forward pass (different kernels and reduction orders) agree to ~1e-4; more means a wrong token
-# boundary or position, which is off by whole nats.
-LOGLIK_TOL = 1e-3
+# Per-choice loglikelihoods summed over a few tokens: kvflow's quantized kernels round the
+# activations to 16 bits per block of 32 (~1.5e-5 of a block's largest value), which moves them by
+# up to ~2e-3 nats from float32 HF (observed; two float32 implementations agree to ~1e-4). A
+# wrong token boundary or position is off by whole nats.
+LOGLIK_TOL = 1e-2
 
 
 # ---- the two models' inputs ---------------------------------------------------------------------

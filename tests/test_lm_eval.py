@@ -22,9 +22,9 @@ def test_lm_eval_scores_kvflow_serve_as_hf_transformers(tmp_path):
     assert out.exists(), res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
     hf, kv = r["scores"]["hf"], r["scores"]["kvflow"]
-    # Same metrics, same values: float32 on both sides puts each choice's loglikelihood within
-    # 1e-3 nats of HF's (observed: 2e-5), far below the gaps between choices, so every
-    # argmax, every accuracy and every greedy answer is the same.
+    # Same metrics, same values: each choice's loglikelihood within 1e-2 nats of HF's float32
+    # (observed: 2e-3, the quantized kernels' 16-bit activations), far below the gaps between
+    # choices, so every argmax, every accuracy and every greedy answer is the same.
     assert r["diffs"] == [], r["diffs"]
     assert kv == hf
     assert set(kv) == {"kvflow_mc", "kvflow_gen"}
