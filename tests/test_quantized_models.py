@@ -111,3 +111,27 @@ def test_quant_linear_runs_under_inference_mode(t):
         x, res = torch.randn(t, 64), torch.randn(t, 96)
         y = torch.ops.kvflow.quant_linear(x, q, KVFLOW_I8_PC, 64, None, res)
     torch.testing.assert_close(y, x @ w.T + res, rtol=0.05, atol=0.05 * float(w.abs().max()) * 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 30])
+def test_a_fused_linear_may_mix_quantized_types(t):
+    """GGUF files often store v_proj or down_proj in a higher-precision type than q and k: the
+    parts of a fused qkv_proj then differ, and each runs with its own type, in row order."""
+    from torch import nn
+
+    from kvflow.model.layers import linear
+    from kvflow.model.quant import quantize_int8_pc, quantize_q4_1
+    from kvflow.model.quant_weights import attach
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(40, 64, generator=g), torch.randn(24, 64, generator=g)
+    parts = [QuantTensor(quantize_q4_1(w1), Q4_1, (40, 64)),
+             QuantTensor(quantize_int8_pc(w2), KVFLOW_I8_PC, (24, 64))]
+    m = nn.Linear(64, 64, bias=True)
+    bias = m.bias.detach().clone()
+    attach(m, parts)
+    assert m.weight.numel() == 0 and "quant1" not in m.__dict__
+    x, res = torch.randn(t, 64, generator=g), torch.randn(t, 64, generator=g)
+    w = torch.cat([p.dequantize() for p in parts])
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, m, res), x @ w.T + bias + res, rtol=1e-3, atol=1e-3)
