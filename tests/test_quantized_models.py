@@ -135,3 +135,20 @@ def test_a_fused_linear_may_mix_quantized_types(t):
     w = torch.cat([p.dequantize() for p in parts])
     with torch.no_grad():
         torch.testing.assert_close(linear(x, m, res), x @ w.T + bias + res, rtol=1e-3, atol=1e-3)
+
+
+def test_pinned_attributes_follow_later_assignments(tiny_llama):
+    """build_model pins submodules and parameters in each module's __dict__ (a faster read);
+    nn.Module's assignment rules still hold afterwards."""
+    from torch import nn
+    model = LLM(tiny_llama, dtype="float32", max_model_len=64,
+                num_threads=1).llm_engine.runner.model
+    norm = model.layers[0].input_layernorm
+    assert norm.__dict__["weight"] is norm._parameters["weight"]
+    new = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+    norm.weight = new
+    assert norm.weight is new and dict(norm.named_parameters())["weight"] is new
+    mlp = model.layers[0].mlp
+    down = nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    mlp.down_proj = down
+    assert mlp.down_proj is down and mlp._modules["down_proj"] is down
