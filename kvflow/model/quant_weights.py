@@ -70,10 +70,9 @@ def set_quant(m: nn.Module, parts: list[QuantTensor]) -> None:
 
 def quant_linear(x: torch.Tensor, parts: list[QuantTensor], bias: torch.Tensor | None,
                  residual: torch.Tensor | None) -> torch.Tensor:
+    """A module of several parts of different types (one part goes straight to the op:
+    set_quant's quant1, layers.linear)."""
     op = ops.quant_linear
-    if len(parts) == 1:
-        p = parts[0]
-        return op(x, p.data, p.qtype, p.shape[1], bias, residual)
     y = torch.cat([op(x, p.data, p.qtype, p.shape[1]) for p in parts], dim=1)
     if bias is not None:
         y += bias
