@@ -1,4 +1,5 @@
-"""`kvflow generate`, `kvflow chat`, `kvflow simulate`, `kvflow serve`, `kvflow bench serve`."""
+"""`kvflow generate`, `kvflow chat`, `kvflow simulate`, `kvflow serve`, `kvflow router`,
+`kvflow bench serve`."""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     from kvflow.server.cli import add_serve_parser      # argparse only; FastAPI loads on use
     add_serve_parser(sub)
+    from kvflow.server.router_cli import add_router_parser
+    add_router_parser(sub)
     from kvflow.bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser

@@ -5,6 +5,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # Seconds; here rather than in http_server so that building the parser imports no uvicorn.
@@ -19,6 +20,23 @@ def add_serve_parser(sub) -> None:
     p.add_argument("model_tag", nargs="?", default=None,
                    help="model path, as in `vllm serve MODEL` (same as --model)")
     EngineArgs.add_cli_args(p)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use (default: the model path's basename, or "
+                        f"{DEFAULT_SERVED_NAME} for the embedded model)")
+    add_http_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run this many replicas (ports --port+1 .. --port+N on 127.0.0.1, "
+                        "--num-threads split between them unless given) behind a router on "
+                        "--host/--port (see `kvflow router`)")
+    p.add_argument("--router-policy", default="prefix",
+                   choices=["prefix", "round_robin", "least_load"],
+                   help="with --data-parallel-size > 1: how the router picks a replica "
+                        "(default: prefix)")
+    p.set_defaults(func=cmd_serve, serve_parser=p)
+
+
+def add_http_args(p) -> None:
+    """The flags `kvflow serve` and `kvflow router` share: address, auth, limits, timeouts."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
@@ -26,9 +44,6 @@ def add_serve_parser(sub) -> None:
                         "(default: $KVFLOW_API_KEY)")
     p.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open (for Prometheus scrapers)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use (default: the model path's basename, or "
-                        f"{DEFAULT_SERVED_NAME} for the embedded model)")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20,
                    help="larger bodies get a 413 (default: 1 MiB)")
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
@@ -44,7 +59,6 @@ def add_serve_parser(sub) -> None:
                         f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)
 
 
 def served_name(model: str | None) -> str:
@@ -59,6 +73,9 @@ def _import_server_modules() -> None:
 
 
 def cmd_serve(args) -> int:
+    if args.data_parallel_size != 1:
+        from kvflow.server.replicas import run_data_parallel
+        return run_data_parallel(args, args.serve_parser)
     from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.async_llm import AsyncLLM
 
@@ -91,6 +108,7 @@ def cmd_serve(args) -> int:
     # A failed step leaves nothing to serve: stop (in-flight requests get their error) and exit
     # non-zero so that a supervisor restarts the server, rather than answer 503 forever.
     llm.on_engine_dead(lambda err: setattr(server, "should_exit", True))
+    _exit_with_parent(server)
     try:
         server.run()
     except KeyboardInterrupt:       # uvicorn re-raises the Ctrl-C it shut down for (as uvicorn.run)
@@ -101,3 +119,20 @@ def cmd_serve(args) -> int:
         print(f"kvflow serve: the engine failed ({llm.step_error!r}); exiting", file=sys.stderr)
         return 1
     return 0 if server.started else 3       # 3: uvicorn.run's exit code for a failed startup
+
+
+PARENT_PID_ENV = "KVFLOW_EXIT_WITH_PARENT"
+
+
+def _exit_with_parent(server) -> None:
+    """A replica of `kvflow serve --data-parallel-size N` shuts down when the router's process
+    is gone, however it went (SIGKILL included): no orphan holds the port and the memory."""
+    pid = os.environ.pop(PARENT_PID_ENV, None)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(pid):
+            time.sleep(1.0)
+        server.should_exit = True
+    threading.Thread(target=watch, name="kvflow-parent-watch", daemon=True).start()
