@@ -35,6 +35,7 @@ from kvflow.server.router_pool import (ReplicaDown, ReplicaPool, Ticket, health_
 
 logger = logging.getLogger("uvicorn.error")
 _SSE = "text/event-stream"
+SAME_KEY = object()     # build_router_app's default backend_api_key: the router's own
 
 
 def completion_key(body: dict) -> Key:
@@ -193,16 +194,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_router_app(backends: list[str], policy: str = "prefix", *, api_key: str | None = None,
-                     backend_api_key: str | None = None,
+                     backend_api_key: str | None | object = SAME_KEY,
                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      health_check_interval: float = 5.0, health_check_timeout: float = 2.0,
                      health_failure_threshold: int = 2, backend_timeout: float = 600.0,
                      public_metrics: bool = False, policy_kw: dict | None = None) -> FastAPI:
-    """backend_timeout: seconds to connect, and between bytes of an answer."""
+    """backend_api_key: sent to the replicas (by default the api_key; None: no key).
+    backend_timeout: seconds to connect, and between bytes of an answer."""
     from kvflow import __version__
     pool = ReplicaPool(backends, policy, failure_threshold=health_failure_threshold,
                        **(policy_kw or {}))
-    router = Router(pool, backend_api_key, max_body_bytes)
+    router = Router(pool, api_key if backend_api_key is SAME_KEY else backend_api_key,
+                    max_body_bytes)
     drain = Drain()
 
     @contextlib.asynccontextmanager
