@@ -2,6 +2,8 @@
 requests go, what passes through, and what clients get when a replica fails."""
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
 import httpx
@@ -168,3 +170,31 @@ def test_metrics_count_routed_requests_per_replica_and_policy():
         assert f'kvflow_router_requests_total{{policy="round_robin",replica="{bs[0].url}"}} 2.0' \
             in text
         assert f'kvflow_router_requests_in_flight{{replica="{bs[1].url}"}} 0.0' in text
+
+
+def _in_flight(backend) -> str:
+    return f'kvflow_router_requests_in_flight{{replica="{backend.url}"}}'
+
+
+def _metric_text(rt) -> str:
+    return httpx.get(rt.url + "/metrics").text
+
+
+def test_a_client_that_goes_away_mid_request_frees_its_replica_slot():
+    with fake_backends(1) as (b,), running_router([b.url], "least_load") as rt:
+        raw = json.dumps(_chat(SYSTEM_A, "x", hold=True)).encode()
+        with socket.create_connection((rt.host, rt.port)) as s:
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), len(raw), raw))
+            assert b.holding.wait(30)
+            assert f"{_in_flight(b)} 1.0" in _metric_text(rt)
+        assert wait_until(lambda: f"{_in_flight(b)} 0.0" in _metric_text(rt))
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_replica_slot():
+    with fake_backends(1) as (b,), running_router([b.url], "least_load") as rt:
+        body = _chat(SYSTEM_A, "x", stream=True, stream_gate=True)
+        with httpx.stream("POST", rt.url + CHAT, json=body, timeout=60):
+            assert b.holding.wait(30)
+            assert f"{_in_flight(b)} 1.0" in _metric_text(rt)
+        assert wait_until(lambda: f"{_in_flight(b)} 0.0" in _metric_text(rt))
