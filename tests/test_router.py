@@ -198,3 +198,16 @@ def test_a_client_that_goes_away_mid_stream_frees_its_replica_slot():
             assert b.holding.wait(30)
             assert f"{_in_flight(b)} 1.0" in _metric_text(rt)
         assert wait_until(lambda: f"{_in_flight(b)} 0.0" in _metric_text(rt))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["router", "--backends", "localhost:8001"], "not an http(s) URL: 'localhost:8001'"),
+    (["router", "--backends", " , "], "at least one URL"),
+    (["router", "--backends", "http://a:1,http://a:1/"], "given twice"),
+    (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["serve", "--data-parallel-size", "2", "--port", "65535"], "--port must leave room"),
+])
+def test_bad_router_command_lines_are_clean_errors(argv, needle, capsys):
+    from kvflow.cli import main
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
