@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,11 +27,16 @@ class Workload:
     shared_prefix_len: int = 0  # the first tokens of every prompt come from one of ...
     num_shared_prefixes: int = 1            # ... this many distinct "system prompts"
     num_clipped: int = 0        # requests shortened to fit max_model_len
+    # Explicit prompts (e.g. conversations.multi_turn): prompts[i] is request i's token ids, of
+    # length prompt_lens[i]; it may be a lazy sequence. None: synthetic ids (see prompt_ids).
+    prompts: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_lens)
         if len(self.arrivals) != n or len(self.output_lens) != n:
             raise ValueError("arrivals, prompt_lens and output_lens must have the same length")
+        if self.prompts is not None and len(self.prompts) < n:
+            raise ValueError("prompts must give every request's token ids")
         if n and (self.prompt_lens.min() < 1 or self.output_lens.min() < 1):
             raise ValueError("every request needs >= 1 prompt token and >= 1 output token")
         if n > 1 and np.any(np.diff(self.arrivals) < 0):
@@ -54,8 +60,12 @@ class Workload:
                        output_lens=self.output_lens[sl], priorities=pr)
 
     def prompt_ids(self, i: int, length: int) -> list[int]:
-        """Token ids of request i's prompt. A unique id right after the shared prefix makes every
-        later block hash unique (block hashes chain on their parent)."""
+        """Token ids of request i's prompt. With explicit prompts: its first `length` tokens
+        (a prompt clipped to max_model_len keeps its head). Otherwise synthetic: a unique id right
+        after the shared prefix makes every later block hash unique (block hashes chain on their
+        parent)."""
+        if self.prompts is not None:
+            return list(self.prompts[i][:length])
         k = min(self.shared_prefix_len, length - 1)
         head = _prefix(i % self.num_shared_prefixes, k) if k > 0 else []
         return head + [_UNIQUE_BASE + i] + _FILL[:length - k - 1]
