@@ -25,21 +25,12 @@ import weakref
 import msgspec
 
 from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.tp_worker import torchrun_env
 from kvflow.model.parallel import TPGroup, check_tp_size, destroy, init_distributed
 
 logger = logging.getLogger(__name__)
 
 _ACTIVE: weakref.ref | None = None     # this process's TPDriver (one process group per process)
-
-
-def torchrun_env() -> tuple[int, int, str, int, int] | None:
-    """(rank, world size, master address, master port, local rank) from torchrun's variables,
-    or None when they are not set."""
-    env = os.environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return None
-    return (int(env["RANK"]), int(env["WORLD_SIZE"]), env.get("MASTER_ADDR", "127.0.0.1"),
-            int(env.get("MASTER_PORT", "29500")), int(env.get("LOCAL_RANK", "0")))
 
 
 class Launch:

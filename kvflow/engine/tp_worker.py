@@ -18,17 +18,25 @@ import time
 import traceback
 
 import msgspec
-import torch
 
-from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs     # torch-free: run_if_worker loads no torch
 
 logger = logging.getLogger(__name__)
+
+
+def torchrun_env() -> tuple[int, int, str, int, int] | None:
+    """(rank, world size, master address, master port, local rank) from torchrun's variables,
+    or None when they are not set."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return (int(env["RANK"]), int(env["WORLD_SIZE"]), env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", "29500")), int(env.get("LOCAL_RANK", "0")))
 
 
 def run_if_worker(args: EngineArgs) -> int | None:
     """Under torchrun on a rank > 0, with tensor_parallel_size > 1: run the worker loop and
     return its exit code. Else None (this process is rank 0, or not parallel)."""
-    from kvflow.engine.tp_executor import torchrun_env
     env = torchrun_env()
     if args.tensor_parallel_size == 1 or env is None or env[0] == 0:
         return None
@@ -36,7 +44,8 @@ def run_if_worker(args: EngineArgs) -> int | None:
 
 
 def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
-    from kvflow.engine.tp_executor import torchrun_env
+    import torch
+
     from kvflow.model.backends import resolve_device
     from kvflow.model.parallel import destroy, init_distributed
     if parent_pid is not None:
@@ -82,8 +91,13 @@ def _build(args: EngineArgs, tp, device: str):
     return runner
 
 
-@torch.inference_mode()
 def _loop(tp, runner) -> None:
+    import torch
+    with torch.inference_mode():
+        _steps(tp, runner)
+
+
+def _steps(tp, runner) -> None:
     while True:
         msg = tp.recv()
         if msg[0] == "shutdown":

@@ -85,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.tp, self.full_cfg = tp, cfg
         if tp is not None:
-            cfg = local_config(cfg, tp.world_size)
+            cfg = local_config(cfg, tp.world_size, tp.rank)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))

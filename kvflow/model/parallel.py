@@ -5,8 +5,10 @@ With tensor_parallel_size 1 none of this runs: a model built without a TPGroup (
 its single-process path, with no collective and no extra op.
 
 Each of N ranks holds
-- q heads H/N and KV heads KV/N (KV < N: the one KV head its q heads read, replicated),
-  and the rows of q/k/v and gate/up for them (column-parallel: no communication);
+- a contiguous run of KV heads and the q heads that read them (KV/N each when N divides KV;
+  else, with KV > N, KV // N or KV // N + 1: the default SmolLM2-135M's 3 KV heads split 1 + 2
+  on 2 ranks; with KV < N, H/N q heads and the one KV head they read, replicated), and the rows
+  of q/k/v and gate/up for them (column-parallel: no communication);
 - the matching columns of o_proj and down_proj (row-parallel: each rank's product is a partial
   sum, all-reduced; the residual is added on rank 0 only, so that it counts once);
 - V/N rows of the embedding and the LM head (vocab-parallel; padded with zero rows when
@@ -41,26 +43,34 @@ _MESSAGE_BUFFER = 16384
 
 
 def check_tp_size(cfg: ModelConfig, n: int) -> None:
-    """ValueError (naming tensor_parallel_size) unless this model splits evenly into n."""
+    """ValueError (naming tensor_parallel_size) unless this model splits into n ranks."""
     if n == 1:
         return
-    if cfg.num_heads % n:
-        raise ValueError(f"tensor_parallel_size={n} must divide the model's "
-                         f"num_heads={cfg.num_heads}")
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the model's "
                          f"intermediate_size={cfg.intermediate_size}")
     kv = cfg.num_kv_heads
-    if kv % n and n % kv:
-        raise ValueError(f"tensor_parallel_size={n} and the model's num_kv_heads={kv}: one "
-                         f"must divide the other")
+    if kv < n and (n % kv or cfg.num_heads % n):
+        raise ValueError(f"tensor_parallel_size={n} exceeds the model's num_kv_heads={kv}: it "
+                         f"must then be a multiple of it and divide num_heads={cfg.num_heads}")
 
 
-def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
+def head_range(cfg: ModelConfig, n: int, rank: int) -> tuple[int, int, int, int]:
+    """(first q head, q heads, first KV head, KV heads) of this rank."""
+    kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if kv >= n:
+        lo, hi = rank * kv // n, (rank + 1) * kv // n
+        return lo * group, (hi - lo) * group, lo, hi - lo
+    h = cfg.num_heads // n
+    return rank * h, h, rank * h // group, 1
+
+
+def local_config(cfg: ModelConfig, n: int, rank: int) -> ModelConfig:
     """The shape of one rank's shard (vocab_size: its rows of the padded vocabulary)."""
+    _, h, _, kv = head_range(cfg, n, rank)
     return dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
-        intermediate_size=cfg.intermediate_size // n, vocab_size=-(-cfg.vocab_size // n))
+        cfg, num_heads=h, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // n,
+        vocab_size=-(-cfg.vocab_size // n))
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,19 +155,16 @@ class TPGroup:
         parts = name.split(".")
         module = parts[-2] if len(parts) > 1 else ""
         n, r, d = self.world_size, self.rank, cfg.head_dim
+        q0, h, kv0, kv = head_range(cfg, n, r)
         if module == "q_proj":
-            h = cfg.num_heads // n
-            return w.narrow(0, r * h * d, h * d)
+            return w.narrow(0, q0 * d, h * d)
         if module in ("k_proj", "v_proj"):
-            kv = cfg.num_kv_heads
-            first, count = (r * kv // n, kv // n) if kv >= n else (r * kv // n, 1)
-            return w.narrow(0, first * d, count * d)
+            return w.narrow(0, kv0 * d, kv * d)
         if module in ("gate_proj", "up_proj"):
             i = cfg.intermediate_size // n
             return w.narrow(0, r * i, i)
         if module == "o_proj":
-            h = cfg.num_heads // n
-            return w.narrow(1, r * h * d, h * d)
+            return w.narrow(1, q0 * d, h * d)
         if module == "down_proj":
             i = cfg.intermediate_size // n
             return w.narrow(1, r * i, i)
