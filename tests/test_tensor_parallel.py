@@ -6,12 +6,15 @@ another order across ranks, but these models' logits are peaky enough that no ar
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -78,15 +81,31 @@ def test_tp2_greedy_tokens_equal_tp1_on_qwen3_with_tied_embeddings(tiny_qwen3):
     _tp_equals_tp1(tiny_qwen3)
 
 
-def test_tp4_replicates_the_kv_heads_when_ranks_outnumber_them(tiny_llama):
-    # 2 KV heads, 4 ranks: each KV head on two ranks. A short run: 4 processes share 2 cores.
+def _one_kv_head_copy(src: str, dst) -> str:
+    """src's checkpoint with only its first KV head (multi-query attention)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["num_key_value_heads"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg))
+    w = load_file(dst / "model.safetensors")
+    w = {k: v[:d].clone() if (".k_proj." in k or ".v_proj." in k) else v for k, v in w.items()}
+    save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_tp2_replicates_the_kv_head_when_ranks_outnumber_the_kv_heads(tiny_llama, tmp_path):
+    # one KV head, two ranks: both hold it (and two of the four q heads each)
+    path = _one_kv_head_copy(tiny_llama, tmp_path / "mqa")
     prompts = [[5, 6, 7, 8, 9, 10] * 4, list(range(20, 60))]
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", max_model_len=128, num_threads=1, num_blocks=16)
-    ref = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate(prompts, sp,
-                                                                            use_tqdm=False)]
-    llm = LLM(tiny_llama, tensor_parallel_size=4, **kw)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, sp,
+                                                                      use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, **kw)
     try:
+        assert llm.llm_engine.runner.kv_cache.shape[-2] == 1
         outs = llm.generate(prompts, sp, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
@@ -151,26 +170,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_variables_join_the_ranks_a_launcher_started(tiny_llama, monkeypatch):
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_torchrun_variables_join_the_ranks_and_rank_0_dying_ends_them(tiny_llama):
     """As torchrun (one node or several) starts them: rank 1 is `kvflow serve` with RANK=1,
-    which runs the worker loop; this process is rank 0 and starts no worker of its own."""
+    which runs the worker loop; rank 0, an LLM, starts no worker of its own. When rank 0 is
+    killed, rank 1 exits (its sockets close): no orphan."""
     ref, _, _ = _run(LLM(tiny_llama, **KW))
     rdzv = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     worker = subprocess.Popen(
         [sys.executable, "-m", "kvflow.cli", "serve", tiny_llama, "--tensor-parallel-size", "2",
          "--dtype", "float32", "--max-model-len", "128", "--num-threads", "1"],
         env={**os.environ, **rdzv, "RANK": "1", "LOCAL_RANK": "1"}, stdin=subprocess.DEVNULL)
+    script = ("import json, sys, time; sys.path.insert(0, sys.argv[1]); "
+              "import test_tensor_parallel as t; from kvflow import LLM; "
+              "llm = LLM(sys.argv[2], tensor_parallel_size=2, **t.KW); "
+              "assert llm.llm_engine.runner.procs == []; "
+              "print(json.dumps(t._run(llm)[0]), flush=True); time.sleep(120)")
+    rank0 = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__),
+                              tiny_llama], env={**os.environ, **rdzv, "RANK": "0"},
+                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
-        for k, v in {**rdzv, "RANK": "0", "LOCAL_RANK": "0"}.items():
-            monkeypatch.setenv(k, v)
-        llm = LLM(tiny_llama, tensor_parallel_size=2, **KW)
-        assert llm.llm_engine.runner.procs == []
-        try:
-            tokens, _, _ = _run(llm)
-        finally:
-            llm.llm_engine.shutdown()
-        assert tokens == ref
-        assert worker.wait(30) == 0
+        assert json.loads(rank0.stdout.readline()) == ref
+        assert worker.poll() is None
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 30
+        while _running(worker.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker.poll() not in (None, 0), "the worker outlived rank 0"
     finally:
-        if worker.poll() is None:
-            worker.kill()
+        for p in (rank0, worker):
+            if p.poll() is None:
+                p.kill()
