@@ -209,3 +209,44 @@ def test_torchrun_variables_join_the_ranks_and_rank_0_dying_ends_them(tiny_llama
         for p in (rank0, worker):
             if p.poll() is None:
                 p.kill()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def test_a_worker_crash_under_the_server_is_engine_dead(tiny_llama):
+    """The server's engine core (its own process) is rank 0: a dead worker fails the streams
+    with EngineDeadError, and no process is left behind."""
+    import asyncio
+
+    from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+    kw = {k: v for k, v in KW.items() if k != "max_num_batched_tokens"}
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, tensor_parallel_size=2, **kw),
+                                  multiprocess=True)
+    core = a.client.proc.pid
+    (worker,) = _children(core)
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main() -> str:
+        stream = await a.add_request("r", [5, 6, 7, 8], sp)
+        await stream.__anext__()        # running
+        os.kill(worker, 9)
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError:
+            return "dead"
+        return "finished"
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == "dead"
+    finally:
+        a.shutdown()
+    deadline = time.monotonic() + 30
+    while (_running(core) or _running(worker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(core) and not _running(worker)
