@@ -112,10 +112,53 @@ def test_tp2_replicates_the_kv_head_when_ranks_outnumber_the_kv_heads(tiny_llama
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
-def test_tp2_with_speculative_decoding_equals_tp1(tiny_llama):
-    # several tokens a step per request: the workers learn them from the next step's message
+def test_tp2_with_speculative_decoding_and_gloo_all_reduces_equals_tp1(tiny_llama,
+                                                                       monkeypatch):
+    # several tokens a step per request: the workers learn them from the next step's message;
+    # and every all-reduce through gloo (the others' go through PeerSockets)
+    monkeypatch.setenv("KVFLOW_TP_SOCKETS", "0")
     _tp_equals_tp1(tiny_llama, speculative_config={"method": "ngram",
                                                    "num_speculative_tokens": 3})
+
+
+def test_peer_sockets_sum_in_rank_order_on_every_rank():
+    """Three ranks (threads here): every rank gets the same sum, bit for bit; float32 and
+    bf16; a tensor of exactly the limit's size."""
+    import torch
+
+    from kvflow.model.parallel import PeerSockets
+    n, barrier, board = 3, threading.Barrier(3), [None] * 3
+
+    def all_gather(rank, obj):
+        board[rank] = obj
+        barrier.wait()
+        out = list(board)
+        barrier.wait()      # all have read before anyone writes again
+        return out
+
+    peers: list = [None] * n
+    threads = [threading.Thread(target=lambda r=r: peers.__setitem__(r, PeerSockets(
+        r, n, lambda o, r=r: all_gather(r, o), "127.0.0.1", 30))) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    limit = min(p.limit for p in peers)
+    for dtype, shape in ((torch.float32, (3, 5)), (torch.bfloat16, (2, 64)),
+                         (torch.float32, (limit // 4,))):
+        xs = [torch.randn(shape).to(dtype) for _ in range(n)]
+        want = xs[0] + xs[1] + xs[2]
+        got: list = [None] * n
+        threads = [threading.Thread(target=lambda r=r: got.__setitem__(
+            r, peers[r].all_reduce(xs[r].clone()))) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for g in got:
+            assert torch.equal(g, want)
+    for p in peers:
+        p.close()
 
 
 @pytest.mark.parametrize("n", [0, -1, True, 2.0, "2"])

@@ -169,6 +169,8 @@ def _stop(tp: TPGroup | None, procs: list[subprocess.Popen], graceful: bool,
             p.kill()
             p.wait()
     if tp is not None:
+        if tp.peers is not None:
+            tp.peers.close()
         try:
             destroy()
         except Exception as e:     # a broken group may refuse; the process exits anyway

@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import os
 import pickle
+import socket
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ class TPGroup:
     world_size: int
     control: object         # the gloo group of the step messages
     device: str = "cpu"
+    peers: PeerSockets | None = None    # CPU: small all-reduces over direct sockets
     _buf: torch.Tensor = dataclasses.field(
         default_factory=lambda: torch.empty(_MESSAGE_BUFFER, dtype=torch.uint8))
 
@@ -121,8 +123,14 @@ class TPGroup:
         down_proj have none): the residual joins rank 0's partial sum only."""
         from kvflow.model.layers import linear
         y = linear(x, m, residual if self.rank == 0 else None)
-        dist.all_reduce(y)
-        return y
+        return self.all_reduce(y)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum t over the ranks, in place (t contiguous)."""
+        if self.peers is not None and t.nbytes <= self.peers.limit:
+            return self.peers.all_reduce(t)
+        dist.all_reduce(t)
+        return t
 
     def embed(self, m, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows [rank * rows, (rank + 1) * rows), zeros for
@@ -132,8 +140,7 @@ class TPGroup:
         outside = (local < 0) | (local >= rows)
         h = embed(m, local.masked_fill(outside, 0))
         h.masked_fill_(outside.unsqueeze(1), 0)
-        dist.all_reduce(h)
-        return h
+        return self.all_reduce(h)
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Rank 0: the full [T, vocab_size] logits; other ranks: their own shard (unused)."""
@@ -181,6 +188,78 @@ def _vocab_rows(w: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
+class PeerSockets:
+    """All-reduce of small CPU tensors over one TCP connection per pair of ranks: each rank
+    sends its tensor to every other and sums all of them in rank order (the same sum, bit for
+    bit, on every rank). Why: a gloo all-reduce of one decode row costs ~1-2 ms on the 2-core
+    dev VM (thread hand-offs inside ProcessGroupGloo and gloo's device loop), where a socket
+    round trip costs ~35 us (BENCHMARKS.md). Tensors above `limit` (what the socket buffers
+    hold, so that every rank can send before any receives) go to gloo. A peer that dies
+    closes its socket: the next receive raises. KVFLOW_TP_SOCKETS=0 keeps gloo for all."""
+
+    def __init__(self, rank: int, world_size: int, all_gather, host: str, wait: float) -> None:
+        """all_gather(obj) -> every rank's obj, by rank (the control group's)."""
+        self.rank, self.world_size = rank, world_size
+        server = socket.create_server((host, 0))
+        addrs = all_gather((host, server.getsockname()[1]))
+        self.socks: dict[int, socket.socket] = {}
+        for r in range(rank):       # connect to the lower ranks, accept the higher ones
+            s = socket.create_connection(addrs[r], timeout=wait)
+            s.sendall(rank.to_bytes(4, "little"))
+            self.socks[r] = s
+        for _ in range(rank + 1, world_size):
+            s, _ = server.accept()
+            s.settimeout(wait)
+            self.socks[int.from_bytes(_recv_exact(s, 4, -1), "little")] = s
+        server.close()
+        sizes = []
+        for s in self.socks.values():
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                s.setsockopt(socket.SOL_SOCKET, opt, 1 << 20)
+                sizes.append(s.getsockopt(socket.SOL_SOCKET, opt))
+        # Linux reports twice the size it grants (the bookkeeping half): a quarter of what it
+        # reports is half the data the two buffers hold. Every rank must pick the same path
+        # for a tensor: the smallest limit of all.
+        self.limit = min(all_gather(min(sizes) // 4))
+        self._bufs = {r: bytearray(self.limit) for r in self.socks}
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        data = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        for s in self.socks.values():
+            s.sendall(data)
+        parts = [t] * self.world_size
+        for r, s in self.socks.items():
+            buf = _recv_exact(s, len(data), r, self._bufs[r])
+            parts[r] = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)
+        total = parts[0] + parts[1]
+        for p in parts[2:]:
+            total += p
+        return t.copy_(total)
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close()
+
+
+def _recv_exact(s: socket.socket, n: int, peer: int, buf: bytearray | None = None):
+    buf = buf if buf is not None else bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = s.recv_into(view[got:n])
+        if k == 0:
+            raise ConnectionError(f"tensor-parallel rank {peer} closed its connection")
+        got += k
+    return buf
+
+
+def _host_toward(addr: str) -> str:
+    """This machine's address on the route to addr (the master): the one the others reach."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 1))
+        return s.getsockname()[0]
+
+
 def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT)))
 
@@ -196,7 +275,15 @@ def init_distributed(rank: int, world_size: int, device: str, master_addr: str,
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                             rank=rank, world_size=world_size, timeout=timeout())
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    return TPGroup(rank, world_size, control, device)
+    peers = None
+    if device == "cpu" and os.environ.get("KVFLOW_TP_SOCKETS", "1") != "0":
+        def all_gather(obj) -> list:
+            out: list = [None] * world_size
+            dist.all_gather_object(out, obj, group=control)
+            return out
+        peers = PeerSockets(rank, world_size, all_gather, _host_toward(master_addr),
+                            timeout().total_seconds())
+    return TPGroup(rank, world_size, control, device, peers)
 
 
 def destroy() -> None:
