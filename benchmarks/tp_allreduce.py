@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (issue 17): what one gloo all-reduce costs, and TP=1 vs TP=2 decode.
 
-    python benchmarks/tp_allreduce.py                 # all-reduce of [T, hidden] float32
+    python benchmarks/tp_allreduce.py                 # all-reduce of [T, hidden] float32:
+                                                      # gloo, and kvflow's PeerSockets
     python benchmarks/tp_allreduce.py --decode        # + the default model's decode tok/s
 
 A Llama-shaped step all-reduces twice a layer (after o_proj and down_proj) plus once for the
@@ -23,25 +24,30 @@ import torch.multiprocessing as mp
 
 def _allreduce_worker(rank: int, world: int, port: int, hidden: int, sizes: list[int],
                       out: dict) -> None:
+    from kvflow.model.parallel import init_distributed
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    tp = init_distributed(rank, world, "cpu", "127.0.0.1", port)
+    if rank == 0:
+        out["limit"] = tp.peers.limit
     for t in sizes:
         x = torch.randn(t, hidden)
-        for _ in range(10):
-            dist.all_reduce(x)
-        n = max(20, min(500, 2_000_000 // (t * hidden)))
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dist.all_reduce(x)
-        dt = (time.perf_counter() - t0) / n
-        if rank == 0:
-            out[t] = dt
+        for name, fn in (("gloo", dist.all_reduce), ("sockets", tp.peers.all_reduce)):
+            if name == "sockets" and x.nbytes > tp.peers.limit:
+                continue
+            for _ in range(10):
+                fn(x)
+            n = max(20, min(500, 2_000_000 // (t * hidden)))
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(x)
+            if rank == 0:
+                out[(t, name)] = (time.perf_counter() - t0) / n
+    tp.peers.close()
     dist.destroy_process_group()
 
 
-def allreduce_table(hidden: int, sizes: list[int], world: int = 2) -> dict[int, float]:
+def allreduce_table(hidden: int, sizes: list[int], world: int = 2) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -72,9 +78,13 @@ def main() -> None:
     p.add_argument("--decode", action="store_true", help="also TP=1 vs TP=2 decode tok/s")
     p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args()
-    print(f"gloo all-reduce of [T, {a.hidden}] float32, 2 processes x 1 thread:")
-    for t, dt in sorted(allreduce_table(a.hidden, a.sizes).items()):
-        print(f"  T={t:5d}  {t * a.hidden * 4 / 1024:8.1f} KiB  {dt * 1e6:8.0f} us")
+    print(f"all-reduce of [T, {a.hidden}] float32, 2 processes x 1 thread (us):")
+    res = allreduce_table(a.hidden, a.sizes)
+    print(f"  (PeerSockets limit: {res.pop('limit') / 1024:.0f} KiB)")
+    for t in a.sizes:
+        cells = "  ".join(f"{name} {res[(t, name)] * 1e6:6.0f}" for name in ("gloo", "sockets")
+                          if (t, name) in res)
+        print(f"  T={t:5d}  {t * a.hidden * 4 / 1024:8.1f} KiB  {cells}")
     if a.decode:
         cores = os.cpu_count() or 1
         # TP > 1 dequantizes the GGUF's blocks to float32: the fair TP=1 baseline is float32 too
