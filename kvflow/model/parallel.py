@@ -16,7 +16,8 @@ Each of N ranks holds
   sums the one rank's row; the logits' shards are gathered on rank 0, which alone samples.
 
 Two process groups (as vLLM's): the compute group (gloo on CPU, NCCL on CUDA) for the
-forward's all-reduces and gathers, with a timeout that bounds the wait on a hung rank; and a
+forward's all-reduces and gathers, with a timeout that bounds the wait on a hung rank (on CPU
+the small all-reduces skip gloo for direct sockets: PeerSockets); and a
 gloo control group for the step messages (control.py), whose timeout is long because a worker
 waits there as long as the engine is idle. A rank that dies closes its sockets, so the others'
 next collective raises at once (gloo: "Connection closed by peer") instead of hanging.
