@@ -18,10 +18,11 @@ from kvflow.core.outputs import EngineCoreOutput
 from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
-from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
 from kvflow.engine.tp_executor import TPDriver, launch
+from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
 from kvflow.model.config import ModelConfig
 from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
+from kvflow.model.parallel import max_kv_heads
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
 
 if TYPE_CHECKING:
@@ -238,10 +239,12 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
     if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
         budget = max(budget, max_len)
     num_blocks = args.num_blocks
-    kv_cfg = getattr(model, "cfg", cfg)     # under tensor parallelism, one rank's share of the KV heads
+    kv_cfg, tp = cfg, getattr(model, "tp", None)
+    if tp is not None:      # the rank holding the most KV heads (an uneven split) sets the size
+        kv_cfg = dataclasses.replace(cfg, num_kv_heads=max_kv_heads(cfg, tp.world_size))
     if num_blocks is None:
         mem = args.kv_cache_memory
-        if mem is None and device == "cuda" and getattr(model, "tp", None) is not None:
+        if mem is None and device == "cuda" and tp is not None:
             mem = _tp_cuda_kv_memory(args.gpu_memory_utilization)
         elif mem is None and device == "cuda":
             from kvflow.model.cuda_runner import profile_kv_cache_memory

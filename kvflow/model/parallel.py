@@ -67,6 +67,11 @@ def head_range(cfg: ModelConfig, n: int, rank: int) -> tuple[int, int, int, int]
     return rank * h, h, rank * h // group, 1
 
 
+def max_kv_heads(cfg: ModelConfig, n: int) -> int:
+    """The most KV heads any rank holds (what sizes the KV cache's memory per block)."""
+    return max(head_range(cfg, n, r)[3] for r in range(n))
+
+
 def local_config(cfg: ModelConfig, n: int, rank: int) -> ModelConfig:
     """The shape of one rank's shard (vocab_size: its rows of the padded vocabulary)."""
     _, h, _, kv = head_range(cfg, n, rank)
