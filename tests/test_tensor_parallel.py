@@ -49,11 +49,34 @@ def _run(llm: LLM) -> tuple[list[list[int]], list, object]:
             llm.llm_engine.scheduler.make_stats())
 
 
+def _run_with_an_abort(llm: LLM) -> dict[str, list[int]]:
+    """Three requests; after 3 steps one is aborted (rank 0 lets go at once, the workers at the
+    next step's finished ids) and its id reused at once for another prompt."""
+    eng, done = llm.llm_engine, {}
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i, p in enumerate(([7, 8, 9] * 5, [30, 31] * 9, [40] * 12)):
+        eng.add_request(f"a{i}", p, sp)
+    for step in itertools.count():
+        if step == 3:
+            eng.abort_request("a1")
+            eng.add_request("a1", [50, 51, 52, 53], sp)
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        if not eng.has_unfinished_requests():
+            return done
+
+
 def _tp_equals_tp1(path: str, n: int = 2, **extra) -> None:
-    ref_tokens, ref_outs, ref_stats = _run(LLM(path, **KW, **extra))
+    ref = LLM(path, **KW, **extra)
+    ref_tokens, ref_outs, ref_stats = _run(ref)
+    ref_aborted = _run_with_an_abort(ref)
+    assert sorted(ref_aborted) == ["a0", "a1", "a2"]
+    assert all(len(t) == 12 for t in ref_aborted.values())
     llm = LLM(path, tensor_parallel_size=n, **KW, **extra)
     try:
         tokens, outs, stats = _run(llm)
+        assert _run_with_an_abort(llm) == ref_aborted
     finally:
         llm.llm_engine.shutdown()
     assert ref_stats.num_preemptions > 0 and ref_stats.prefix_cache_hits > 0   # exercised
