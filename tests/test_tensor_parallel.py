@@ -230,6 +230,21 @@ def test_a_worker_crash_ends_the_engine_with_an_error(tiny_llama):
     llm.llm_engine.shutdown()
 
 
+def test_a_worker_that_fails_to_load_fails_the_engine_start(tiny_llama, tmp_path, monkeypatch):
+    # rank 1 (only) gets a build_model that raises, through a sitecustomize on its path
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import kvflow.model.loader as loader\n"
+        "    def fail(*a, **k):\n"
+        "        raise RuntimeError('cannot load')\n"
+        "    loader.build_model = fail\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(RuntimeError, match="start failed: worker rank 1 exited with code 1"):
+        LLM(tiny_llama, tensor_parallel_size=2, **KW)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

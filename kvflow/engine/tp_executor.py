@@ -101,8 +101,12 @@ class TPDriver:
         self._state = {"stopped": False}
         self._finalizer = weakref.finalize(self, _stop, self.tp, self.procs, True, self._state)
         # The workers size their KV caches from rank 0's scheduler config, then all meet.
-        self.tp.send(("init", scheduler_config))
-        self.tp.barrier()
+        try:
+            self.tp.send(("init", scheduler_config))
+            self.tp.barrier()
+        except Exception as e:      # a worker failed to load (the caller stops the others)
+            self._state["stopped"] = True
+            raise RuntimeError(f"tensor-parallel start failed: {_explain(self.procs, e)}") from e
         _ACTIVE = weakref.ref(self)
 
     def __getattr__(self, name: str):
@@ -123,7 +127,7 @@ class TPDriver:
             self._sampled = self.runner.execute_model(so)
             return self._sampled
         except Exception as e:
-            self._error = f"tensor-parallel step failed: {self._why(e)}"
+            self._error = f"tensor-parallel step failed: {_explain(self.procs, e)}"
             logger.error("%s", self._error)
             self._state["stopped"] = True
             _stop(self.tp, self.procs, graceful=False)
@@ -134,28 +138,29 @@ class TPDriver:
             if p.poll() is not None:
                 raise RuntimeError(f"worker rank {rank} exited with code {p.returncode}")
 
-    def _why(self, e: Exception) -> str:
-        """The error, and which worker died if one did (given a moment to be reaped)."""
-        deadline = time.monotonic() + 1.0
-        for rank, p in enumerate(self.procs, 1):
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.01))
-                return f"worker rank {rank} exited with code {p.returncode} ({e})"
-            except subprocess.TimeoutExpired:
-                pass
-        return f"{type(e).__name__}: {e}"
-
     def shutdown(self) -> None:
         """Tell the workers to exit and leave the process group (also at exit, or when the
         driver is collected)."""
         self._finalizer()
 
 
+def _explain(procs: list[subprocess.Popen], e: Exception) -> str:
+    """The error, and which worker died if one did (given a moment to be reaped)."""
+    deadline = time.monotonic() + 1.0
+    for rank, p in enumerate(procs, 1):
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.01))
+            return f"worker rank {rank} exited with code {p.returncode} ({e})"
+        except subprocess.TimeoutExpired:
+            pass
+    return f"{type(e).__name__}: {e}"
+
+
 def _stop(tp: TPGroup | None, procs: list[subprocess.Popen], graceful: bool,
           state: dict | None = None) -> None:
-    if state is not None:
+    if state is not None:     # the driver's finalizer: once, and not after a failure's _stop
         if state["stopped"]:
-            graceful = False
+            return
         state["stopped"] = True
     if graceful and tp is not None:
         try:
@@ -169,10 +174,8 @@ def _stop(tp: TPGroup | None, procs: list[subprocess.Popen], graceful: bool,
             p.kill()
             p.wait()
     if tp is not None:
-        if tp.peers is not None:
-            tp.peers.close()
         try:
-            destroy()
+            destroy(tp)
         except Exception as e:     # a broken group may refuse; the process exits anyway
             logger.warning("destroying the process group: %r", e)
 

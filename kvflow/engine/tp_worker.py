@@ -68,7 +68,7 @@ def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
         return 1
     finally:
         try:
-            destroy()
+            destroy(tp)
         except Exception:
             pass
 

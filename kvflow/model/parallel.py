@@ -87,6 +87,7 @@ class TPGroup:
     control: object         # the gloo group of the step messages
     device: str = "cpu"
     peers: PeerSockets | None = None    # CPU: small all-reduces over direct sockets
+    world: object = None    # the default group made for this TPGroup (destroy())
     _buf: torch.Tensor = dataclasses.field(
         default_factory=lambda: torch.empty(_MESSAGE_BUFFER, dtype=torch.uint8))
 
@@ -290,9 +291,12 @@ def init_distributed(rank: int, world_size: int, device: str, master_addr: str,
             return out
         peers = PeerSockets(rank, world_size, all_gather, _host_toward(master_addr),
                             timeout().total_seconds())
-    return TPGroup(rank, world_size, control, device, peers)
+    return TPGroup(rank, world_size, control, device, peers, dist.group.WORLD)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
+def destroy(tp: TPGroup) -> None:
+    """Leave tp's process group, if it is still this process's (not a later engine's)."""
+    if tp.peers is not None:
+        tp.peers.close()
+    if dist.is_initialized() and dist.group.WORLD is tp.world:
         dist.destroy_process_group()
