@@ -126,12 +126,21 @@ class TPDriver:
                 so.grammar_bitmask = bitmask
             self._sampled = self.runner.execute_model(so)
             return self._sampled
-        except Exception as e:
+        except BaseException as e:
+            # Also on KeyboardInterrupt: a step cut short leaves the ranks at different
+            # points of their collectives, which no later step could realign.
             self._error = f"tensor-parallel step failed: {_explain(self.procs, e)}"
             logger.error("%s", self._error)
             self._state["stopped"] = True
             _stop(self.tp, self.procs, graceful=False)
+            if not isinstance(e, Exception):
+                raise
             raise RuntimeError(self._error) from e
+
+    def forward_logits(self, token_ids):
+        # rank 0 alone would wait in the first all-reduce for workers that never join it
+        raise NotImplementedError("forward_logits (a test helper) runs without the workers: "
+                                  "not under tensor parallelism")
 
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.procs, 1):
