@@ -27,6 +27,15 @@ KW = dict(dtype="float32", max_model_len=128, num_threads=1, max_num_batched_tok
           num_blocks=10, block_size=16)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    """The engines here set this process's torch threads to 1 (num_threads=1): put it back."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 def _workload() -> tuple[list[list[int]], list[list[int]], SamplingParams, SamplingParams]:
     """(first prompts, later prompts sharing their prefix, greedy params, greedy params with
     logprobs): run in two calls, so that the later ones hit the prefix cache."""
