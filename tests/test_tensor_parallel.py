@@ -158,7 +158,7 @@ def test_peer_sockets_sum_in_rank_order_on_every_rank():
     bf16; a tensor of exactly the limit's size."""
     import torch
 
-    from kvflow.model.parallel import PeerSockets
+    from kvflow.model.peer_sockets import PeerSockets
     n, barrier, board = 3, threading.Barrier(3), [None] * 3
 
     def all_gather(rank, obj):
