@@ -144,11 +144,11 @@ def test_tp2_replicates_the_kv_head_when_ranks_outnumber_the_kv_heads(tiny_llama
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
-def test_tp2_with_speculative_decoding_and_gloo_all_reduces_equals_tp1(tiny_llama,
-                                                                       monkeypatch):
+def test_tp2_with_speculative_decoding_and_peer_socket_all_reduces_equals_tp1(tiny_llama,
+                                                                              monkeypatch):
     # several tokens a step per request: the workers learn them from the next step's message;
-    # and every all-reduce through gloo (the others' go through PeerSockets)
-    monkeypatch.setenv("KVFLOW_TP_SOCKETS", "0")
+    # and the small all-reduces over the opt-in PeerSockets (the other tests: gloo, the default)
+    monkeypatch.setenv("KVFLOW_TP_SOCKETS", "1")
     _tp_equals_tp1(tiny_llama, speculative_config={"method": "ngram",
                                                    "num_speculative_tokens": 3})
 

@@ -16,8 +16,9 @@ Each of N ranks holds
   sums the one rank's row; the logits' shards are gathered on rank 0, which alone samples.
 
 Two process groups (as vLLM's): the compute group (gloo on CPU, NCCL on CUDA) for the
-forward's all-reduces and gathers, with a timeout that bounds the wait on a hung rank (on CPU
-the small all-reduces skip gloo for direct sockets: PeerSockets); and a
+forward's all-reduces and gathers, with a timeout that bounds the wait on a hung rank (on CPU,
+with KVFLOW_TP_SOCKETS=1, the small all-reduces go over direct sockets instead: PeerSockets,
+an opt-in measured on the dev VM); and a
 gloo control group for the step messages (control.py), whose timeout is long because a worker
 waits there as long as the engine is idle. A rank that dies closes its sockets, so the others'
 next collective raises at once (gloo: "Connection closed by peer") instead of hanging.
@@ -87,7 +88,7 @@ class TPGroup:
     world_size: int
     control: object         # the gloo group of the step messages
     device: str = "cpu"
-    peers: PeerSockets | None = None    # CPU: small all-reduces over direct sockets
+    peers: PeerSockets | None = None    # CPU, opt-in: small all-reduces over direct sockets
     world: object = None    # the default group made for this TPGroup (destroy())
     _buf: torch.Tensor = dataclasses.field(
         default_factory=lambda: torch.empty(_MESSAGE_BUFFER, dtype=torch.uint8))
@@ -219,7 +220,7 @@ def init_distributed(rank: int, world_size: int, device: str, master_addr: str,
                             rank=rank, world_size=world_size, timeout=timeout())
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     peers = None
-    if device == "cpu" and os.environ.get("KVFLOW_TP_SOCKETS", "1") != "0":
+    if device == "cpu" and os.environ.get("KVFLOW_TP_SOCKETS", "0") == "1":
         def all_gather(obj) -> list:
             out: list = [None] * world_size
             dist.all_gather_object(out, obj, group=control)

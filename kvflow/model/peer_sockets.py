@@ -14,7 +14,9 @@ class PeerSockets:
     dev VM (thread hand-offs inside ProcessGroupGloo and gloo's device loop), where a socket
     round trip costs ~35 us (BENCHMARKS.md). Tensors above `limit` (what the socket buffers
     hold, so that every rank can send before any receives) go to gloo. A peer that dies
-    closes its socket: the next receive raises. KVFLOW_TP_SOCKETS=0 keeps gloo for all."""
+    closes its socket: the next receive raises. Opt-in (KVFLOW_TP_SOCKETS=1): torch.distributed
+    (gloo) carries every collective by default; this is a measured alternative for the
+    latency-bound decode all-reduces on small, oversubscribed CPU hosts."""
 
     def __init__(self, rank: int, world_size: int, all_gather, host: str, wait: float) -> None:
         """all_gather(obj) -> every rank's obj, by rank (the control group's)."""
