@@ -30,8 +30,17 @@ def _report(outs, t0: float, t_load: float) -> None:
           file=sys.stderr)
 
 
+def _run_if_worker(args) -> int | None:
+    """Under torchrun, ranks > 0 of a tensor-parallel engine run the worker loop (tp_worker)."""
+    from kvflow.engine.tp_worker import run_if_worker
+    return run_if_worker(EngineArgs.from_cli_args(args))
+
+
 def _cmd_generate(args) -> int:
     from kvflow import LLM
+    code = _run_if_worker(args)
+    if code is not None:
+        return code
     t = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     t_load = time.perf_counter() - t
@@ -45,6 +54,9 @@ def _cmd_generate(args) -> int:
 
 def _cmd_chat(args) -> int:
     from kvflow import LLM
+    code = _run_if_worker(args)
+    if code is not None:
+        return code
     t = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     t_load = time.perf_counter() - t

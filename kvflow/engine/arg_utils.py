@@ -56,13 +56,16 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "cuda: share of GPU memory for weights, activations and the KV cache")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly (no CUDA graphs)")
+    tensor_parallel_size: int = _arg(
+        1, "processes (ranks) the model is split across, Megatron-style: gloo on CPU, NCCL on "
+           "CUDA. Under torchrun, the ranks torchrun started (docs/tensor_parallel.md)")
     speculative_config: dict | None = _arg(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
 
     def __post_init__(self) -> None:
         # Checked here, before any work, so each error names the argument the user gave.
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), 1)
         for name in ("num_threads", "kv_cache_memory", "num_blocks", "max_num_batched_tokens",
                      "max_model_len"):

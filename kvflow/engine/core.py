@@ -18,8 +18,11 @@ from kvflow.core.outputs import EngineCoreOutput
 from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
+from kvflow.engine.tp_executor import TPDriver, launch
 from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
+from kvflow.model.config import ModelConfig
 from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
+from kvflow.model.parallel import max_kv_heads
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
 
 if TYPE_CHECKING:
@@ -40,15 +43,24 @@ class EngineCore:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         ckpt = ckpt if ckpt is not None else open_checkpoint(args.model)
-        cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device,
-                                        quantization=args.quantization)
-        self.model_config, self.dtype = cfg, dtype
-        self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
+        tp = launch(args, ModelConfig.from_hf(ckpt.config), device)    # None: one process
+        try:
+            cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device,
+                                            quantization=args.quantization,
+                                            tp=tp.tp if tp else None)
+            self.model_config, self.dtype = cfg, dtype
+            self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
+            self.runner = _make_runner(args, model, cfg, dtype, backend, device,
+                                       self.scheduler_config)
+            if tp is not None:
+                self.runner = TPDriver(self.runner, tp, self.scheduler_config)
+        except BaseException:
+            if tp is not None:
+                tp.abort()
+            raise
         self.scheduler = Scheduler(self.scheduler_config)
         spec = self.scheduler_config.speculative_config
         self.proposer = NgramProposer(spec, self.scheduler_config.max_model_len) if spec else None
-        self.runner = _make_runner(args, model, cfg, dtype, backend, device,
-                                   self.scheduler_config)
         self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
         # Made at the first request with a grammar (engines without any pay nothing); the
         # checkpoint is kept for its tokenizer, not its weights.
@@ -208,6 +220,12 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
 
 def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
                       ) -> SchedulerConfig:
@@ -221,16 +239,21 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
     if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
         budget = max(budget, max_len)
     num_blocks = args.num_blocks
+    kv_cfg, tp = cfg, getattr(model, "tp", None)
+    if tp is not None:      # the rank holding the most KV heads (an uneven split) sets the size
+        kv_cfg = dataclasses.replace(cfg, num_kv_heads=max_kv_heads(cfg, tp.world_size))
     if num_blocks is None:
         mem = args.kv_cache_memory
-        if mem is None and device == "cuda":
+        if mem is None and device == "cuda" and tp is not None:
+            mem = _tp_cuda_kv_memory(args.gpu_memory_utilization)
+        elif mem is None and device == "cuda":
             from kvflow.model.cuda_runner import profile_kv_cache_memory
             mem = profile_kv_cache_memory(model, cfg, dtype, backend, args.block_size, budget,
                                           args.max_num_seqs, max_len, args.gpu_memory_utilization)
         elif mem is None:     # no more than the longest batch could ever hold
-            need = cfg.kv_bytes_per_token(dtype.itemsize) * max_len * args.max_num_seqs
+            need = kv_cfg.kv_bytes_per_token(dtype.itemsize) * max_len * args.max_num_seqs
             mem = min(_DEFAULT_KV_CACHE_MEMORY, need)
-        num_blocks = num_blocks_for_memory(cfg, dtype, args.block_size, mem)
+        num_blocks = num_blocks_for_memory(kv_cfg, dtype, args.block_size, mem)
     return SchedulerConfig(
         block_size=args.block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
         max_num_seqs=args.max_num_seqs, max_model_len=max_len,
@@ -240,11 +263,26 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
         watermark=args.watermark, speculative_config=args.speculative_config_obj())
 
 
+def _tp_cuda_kv_memory(utilization: float) -> int:
+    """CUDA under tensor parallelism: no profiling pass (its forward would need every rank);
+    the share of GPU memory not in use, less 1 GiB for activations (--kv-cache-memory to set
+    it). Rank 0 decides for all ranks: the GPUs are assumed alike."""
+    free, total = torch.cuda.mem_get_info()
+    return max(int(total * utilization) - (total - free) - (1 << 30), 0)
+
+
 def _make_runner(args: EngineArgs, model, cfg, dtype, backend, device: str,
                  sc: SchedulerConfig) -> ModelRunner:
+    """cfg: the whole model's (the sampler's vocabulary); the KV cache holds model.cfg's heads
+    (under tensor parallelism, this rank's)."""
+    kv_heads = getattr(model, "cfg", cfg).num_kv_heads
     if device == "cuda":
         from kvflow.model.cuda_runner import CudaModelRunner
+        # No CUDA graphs under tensor parallelism: the NCCL collectives are not captured.
+        eager = args.enforce_eager or getattr(model, "tp", None) is not None
         return CudaModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend,
-                               args.seed, sc.max_num_seqs, sc.max_model_len, args.enforce_eager)
-    return ModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend, seed=args.seed)
+                               args.seed, sc.max_num_seqs, sc.max_model_len, eager,
+                               num_kv_heads=kv_heads)
+    return ModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend, seed=args.seed,
+                       num_kv_heads=kv_heads)
 

@@ -28,7 +28,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: i
         s.setsockopt(zmq.SNDHWM, 0)     # never block on a slow reader ...
         s.connect(addr)
     enc = msgspec.msgpack.Encoder()
-    code = 0
+    code, core = 0, None
     try:
         from kvflow.engine.core import EngineCore
         core = EngineCore(args)
@@ -45,6 +45,8 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str, parent_pid: i
             pass
         code = 1
     finally:
+        if core is not None:
+            core.shutdown()     # tensor-parallel workers, if any
         ctx.destroy(linger=1000)
     return code
 

@@ -69,6 +69,10 @@ class LLMEngine:
         self.engine_core.abort_requests(ids)
         self.output_processor.abort(ids)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else at exit); the engine is unusable after."""
+        self.engine_core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

@@ -22,11 +22,11 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend, seed: int,
                  max_num_seqs: int, max_model_len: int, enforce_eager: bool,
-                 device: str = "cuda") -> None:
+                 device: str = "cuda", num_kv_heads: int | None = None) -> None:
         # device="cpu" (with the triton backend under TRITON_INTERPRET=1) exists for tests; the
         # sampler then still samples as on a GPU.
         super().__init__(model, cfg, dtype, block_size, num_blocks, backend, seed=seed,
-                         device=device)
+                         device=device, num_kv_heads=num_kv_heads)
         self.sampler = Sampler(seed, device, batch_noise=True)
         self.graphs = None
         if not enforce_eager:       # captured now: after the warm-up, with the KV cache in place

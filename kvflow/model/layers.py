@@ -283,8 +283,9 @@ class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
     use_kernels = False     # set per model by use_cpu_kernels()
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp=None) -> None:
         super().__init__()
+        self.tp = tp    # tensor parallelism: intermediate is this rank's share (parallel.py)
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
@@ -292,6 +293,10 @@ class MLP(nn.Module):
         """Returns residual + mlp(x); down_proj and the residual add are one addmm."""
         gate_up = linear(x, self.gate_up_proj)
         if self.use_kernels:
-            return linear(ops.silu_and_mul(gate_up), self.down_proj, residual)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_proj, residual)
+            act = ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+        if self.tp is None:
+            return linear(act, self.down_proj, residual)
+        return self.tp.reduce_linear(act, self.down_proj, residual)

@@ -16,6 +16,7 @@ from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
 from kvflow.model.cpu_ops import ops
 from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
+from kvflow.model.parallel import TPGroup, local_config
 from kvflow.model.quant_weights import QuantTensor, attach, embed
 
 # 0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor skinny_linear)
@@ -24,8 +25,9 @@ _LM_HEAD_SKINNY_ROWS = 16
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -50,16 +52,18 @@ class Attention(nn.Module):
         RotaryEmbedding.apply_(cos_sin, qk)     # q and k heads, in place in qkv
         kv = qkv[:, h:].view(t, 2, kvh, d)      # new keys and values, side by side
         o = backend.forward(qkv[:, :h], kv, kv_cache, meta, self.scale)
-        return linear(o.reshape(t, self.q_size), self.o_proj, residual)
+        if self.tp is None:
+            return linear(o.reshape(t, self.q_size), self.o_proj, residual)
+        return self.tp.reduce_linear(o.reshape(t, self.q_size), self.o_proj, residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, cos_sin, h, backend, kv_cache, meta):
         # .forward, not __call__: no hooks are used, and nn.Module's call machinery costs ~1 us
@@ -75,11 +79,16 @@ class LlamaForCausalLM(nn.Module):
                       ("v_proj", "qkv_proj", 2), ("gate_proj", "gate_up_proj", 0),
                       ("up_proj", "gate_up_proj", 1))
 
-    def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
+        """cfg: the whole model's shape. With tp (tensor parallelism, parallel.py) this rank
+        builds its shard: self.cfg is the shard's shape, self.full_cfg the model's."""
         super().__init__()
+        self.tp, self.full_cfg = tp, cfg
+        if tp is not None:
+            cfg = local_config(cfg, tp.world_size, tp.rank)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -89,7 +98,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 backend: AttentionBackend, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        h = embed(self.embed_tokens, input_ids)
+        if self.tp is None:
+            h = embed(self.embed_tokens, input_ids)
+        else:
+            h = self.tp.embed(self.embed_tokens, input_ids, self.cfg.vocab_size)
         cos_sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer.forward(cos_sin, h, backend, kv_cache, meta)
@@ -99,6 +111,13 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab_size] logits; under tensor parallelism, on rank 0 (the others get their
+        own shard's, which nothing reads)."""
+        if self.tp is None:
+            return self._logits(hidden)
+        return self.tp.gather_logits(self._logits(hidden), self.full_cfg.vocab_size)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.__dict__.get("lm_linear")     # the loader's packed or float32 head
         if head is not None:
             return linear(hidden, head)
@@ -128,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue        # tied: some checkpoints store the copy anyway
             name = name.removeprefix("model.")
+            if self.tp is not None:     # this rank's rows or columns of the weight
+                w = self.tp.shard_weight(name, w, self.full_cfg)
             for src, dst, shard in self.stacked_params:
                 if f".{src}." in name:
                     name = name.replace(f".{src}.", f".{dst}.")

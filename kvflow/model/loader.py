@@ -66,16 +66,20 @@ def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
         model.__dict__["lm_linear"] = head
 
 
-def _weights(ckpt: Checkpoint, quantization: str | None, device: str, dtype: torch.dtype):
+def _weights(ckpt: Checkpoint, quantization: str | None, device: str, dtype: torch.dtype,
+             tensor_parallel: bool = False):
     """The checkpoint's weights as the model will hold them: a GGUF's blocks as stored where
-    the kernels run them, an HF checkpoint's quantized at load when asked."""
+    the kernels run them, an HF checkpoint's quantized at load when asked. Under tensor
+    parallelism they are dequantized to float (a rank's slice of a block-quantized row would
+    cut its blocks; the simplest correct choice, at 4-8x the weights' memory per element)."""
     from kvflow.model.quant_weights import keep_quantized, quantize_weights
+    keep = keep_quantized(device, dtype) and not tensor_parallel
     if quantization is not None:
         if ckpt.quantized_weights is not None:
             raise ValueError(f"quantization={quantization!r} is for HF checkpoints; a GGUF file "
                              "runs the quantized blocks it stores")
-        return quantize_weights(ckpt.weights(), quantization, keep_quantized(device, dtype))
-    if ckpt.quantized_weights is not None and keep_quantized(device, dtype):
+        return quantize_weights(ckpt.weights(), quantization, keep)
+    if ckpt.quantized_weights is not None and keep:
         return ckpt.quantized_weights()
     return ckpt.weights()
 
@@ -93,22 +97,27 @@ def _no_init():
 
 
 def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                device: str = "cpu", quantization: str | None = None
+                device: str = "cpu", quantization: str | None = None, tp=None
                 ) -> tuple[ModelConfig, nn.Module, torch.dtype]:
+    """(the model's whole config, the model, its dtype). With tp (a parallel.TPGroup) the model
+    is this rank's shard (model.cfg its shape)."""
     from kvflow.model.layers import keep_bf16_weights, use_cpu_kernels
     from kvflow.model.llama import LlamaForCausalLM
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
     cfg = ModelConfig.from_hf(ckpt.config)
+    if tp is not None:
+        from kvflow.model.parallel import check_tp_size
+        check_tp_size(cfg, tp.world_size)
     dt = resolve_dtype(dtype, cfg.torch_dtype, device)
     max_len = max_model_len or cfg.max_position_embeddings
     with _no_init():
-        model = classes[cfg.architecture](cfg, max_len).to(dtype=dt, device=device)
+        model = classes[cfg.architecture](cfg, max_len, tp).to(dtype=dt, device=device)
     if quantization is None and keeps_bf16_weights(dtype, cfg.torch_dtype, dt, device):
         keep_bf16_weights(model)
     with torch.inference_mode():
-        model.load_weights(_weights(ckpt, quantization, device, dt))
+        model.load_weights(_weights(ckpt, quantization, device, dt, tp is not None))
     model.rotary.build(dt, device)
     model.eval().requires_grad_(False)
     use_cpu_kernels(model, dt, device)

@@ -6,6 +6,6 @@ from kvflow.model.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_model_len: int, tp=None) -> None:
         assert cfg.attention_bias and not cfg.qk_norm, "Qwen2 has qkv bias and no q/k norm"
-        super().__init__(cfg, max_model_len)
+        super().__init__(cfg, max_model_len, tp)

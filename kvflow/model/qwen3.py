@@ -7,6 +7,6 @@ from kvflow.model.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_model_len: int, tp=None) -> None:
         assert cfg.qk_norm, "Qwen3 has q/k norm"
-        super().__init__(cfg, max_model_len)
+        super().__init__(cfg, max_model_len, tp)

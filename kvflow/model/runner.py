@@ -55,13 +55,16 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  block_size: int, num_blocks: int, backend: AttentionBackend | None = None,
-                 seed: int = 0, device: str = "cpu") -> None:
+                 seed: int = 0, device: str = "cpu", num_kv_heads: int | None = None) -> None:
+        """num_kv_heads: the KV heads this process caches (under tensor parallelism, its
+        share; default cfg's)."""
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
         self._device = torch.device(device)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.backend = backend or TorchAttentionBackend()
         # One allocation for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads,
+                 cfg.head_dim)
         self.kv_cache = _zeros(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed, device)

@@ -82,10 +82,15 @@ def cmd_serve(args) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
+    engine_args = EngineArgs.from_cli_args(args, model=model)
+    from kvflow.engine.tp_worker import run_if_worker
+    code = run_if_worker(engine_args)     # torchrun, rank > 0: a worker, not a server
+    if code is not None:
+        return code
     # The server's imports (FastAPI, uvicorn) load while the engine core loads the model.
     web = threading.Thread(target=_import_server_modules, daemon=True)
     web.start()
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args, model=model))
+    llm = AsyncLLM.from_engine_args(engine_args)
     web.join()
     from kvflow.server.api_server import build_app
     from kvflow.server.http_server import make_server
