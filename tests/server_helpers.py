@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -19,6 +20,30 @@ from kvflow.engine.llm_engine import EngineArgs
 from kvflow.server.api_server import ServerThread, build_app
 
 ENGINE = dict(dtype="float32", num_threads=1, max_model_len=256)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """A free port p with p+1 .. p+n free too (a router and its n replicas)."""
+    for _ in range(50):
+        p = free_port()
+        if p + n <= 65535 and all(_is_free(p + i) for i in range(1, n + 1)):
+            return p
+    raise RuntimeError("no run of free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

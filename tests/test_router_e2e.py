@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import httpx
 import openai
 
 from router_helpers import running_router, wait_until
-from server_helpers import running_server
+from server_helpers import free_port_run, running_server
 
 MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "Name a colour."}]
@@ -50,26 +49,6 @@ def test_two_real_replicas_behind_the_router_answer_as_one_does(tiny_llama):
                 in text
 
 
-def _free_port_run(n: int) -> int:
-    """A port p with p .. p+n free now (the replicas take p+1 .. p+n)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n <= 65535 and all(_free(p + i) for i in range(1, n + 1)):
-            return p
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _up(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -77,7 +56,7 @@ def _up(url: str) -> bool:
 
 
 def test_serve_data_parallel_runs_replicas_behind_a_router_and_takes_them_down(tiny_llama):
-    port = _free_port_run(2)
+    port = free_port_run(2)
     url, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
     cmd = [sys.executable, "-m", "kvflow.cli", "serve", tiny_llama, "--data-parallel-size", "2",
            "--port", str(port), "--api-key", "dp-key", "--served-model-name", "tiny",

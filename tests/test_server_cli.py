@@ -4,7 +4,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,7 @@ import openai
 
 from kvflow.cli import build_parser
 from kvflow.server.cli import DEFAULT_SERVED_NAME, served_name
-from server_helpers import slow_core_steps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_helpers import free_port, slow_core_steps
 
 
 def test_serve_parser_defaults():
@@ -47,7 +40,7 @@ def _wait_up(proc, url: str) -> None:
 
 
 def test_kvflow_serve_subprocess(tiny_llama):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--model", tiny_llama, "--port", str(port),
            "--api-key", "cli-key", "--metrics-no-auth", "--served-model-name", "tiny",
            "tiny-alias", "--dtype", "float32", "--num-threads", "1", "--max-model-len", "128",
@@ -144,7 +137,7 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny
     """SIGTERM: no new connections; a stream that ends within --shutdown-timeout ends normally,
     one still running then gets an error event and [DONE] instead of a silent cut, and a
     non-streamed request still running a 503."""
-    port = _free_port()
+    port = free_port()
     proc = _patched_serve(tmp_path, SLOW_STEP, [
         "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--num-threads", "1",
         "--max-model-len", "512", "--shutdown-timeout", "4", "--served-model-name", "tiny",
@@ -172,7 +165,7 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_an_error_event(tiny
 
 # The engine's step fails on the first request; everything else is `kvflow serve` as shipped.
 def test_kvflow_serve_exits_non_zero_when_the_engine_step_fails(tiny_llama, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _patched_serve(tmp_path, FAILING_STEP, [
         "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--num-threads", "1",
         "--max-model-len", "128", "--log-level", "warning"])
@@ -199,7 +192,7 @@ def _children(pid: int) -> list[int]:
 def test_kvflow_serve_exits_non_zero_when_its_engine_core_process_is_killed(tiny_llama):
     """The engine core runs in a child process: a SIGKILL there (the OOM killer, say) fails the
     in-flight request, and the server exits 1 rather than answer 503 forever."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--model", tiny_llama, "--port",
            str(port), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "256",
            "--log-level", "warning"]

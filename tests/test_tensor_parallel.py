@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.arg_utils import EngineArgs
+from server_helpers import free_port
 
 # Small enough that the workload below chunks its prefills (32-token steps) and preempts
 # (10 blocks of 16 tokens for four requests of 50-95 tokens).
@@ -254,12 +254,6 @@ def test_a_worker_that_fails_to_load_fails_the_engine_start(tiny_llama, tmp_path
         LLM(tiny_llama, tensor_parallel_size=2, **KW)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -273,7 +267,7 @@ def test_torchrun_variables_join_the_ranks_and_rank_0_dying_ends_them(tiny_llama
     which runs the worker loop; rank 0, an LLM, starts no worker of its own. When rank 0 is
     killed, rank 1 exits (its sockets close): no orphan."""
     ref, _, _ = _run(LLM(tiny_llama, **KW))
-    rdzv = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rdzv = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     worker = subprocess.Popen(
         [sys.executable, "-m", "kvflow.cli", "serve", tiny_llama, "--tensor-parallel-size", "2",
          "--dtype", "float32", "--max-model-len", "128", "--num-threads", "1"],

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
-import time
 import traceback
 
 import msgspec
 
 from kvflow.engine.arg_utils import EngineArgs     # torch-free: run_if_worker loads no torch
+from kvflow.engine.parent_watch import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
     from kvflow.model.backends import resolve_device
     from kvflow.model.parallel import destroy, init_distributed
     if parent_pid is not None:
-        _exit_with_parent(parent_pid)
+        watch_parent(parent_pid, lambda: os._exit(1), "kvflow-tp-parent-watch")
     rank, world, addr, port, local = torchrun_env()
     if world != args.tensor_parallel_size:
         print(f"kvflow tp_worker: WORLD_SIZE={world} != tensor_parallel_size="
@@ -111,14 +110,6 @@ def _steps(tp, runner) -> None:
             if st is not None:
                 st.token_ids.extend(toks)
         runner.execute_model(so)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-    threading.Thread(target=watch, name="kvflow-tp-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import importlib
 import os
 import sys
 import threading
-import time
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # Seconds; here rather than in http_server so that building the parser imports no uvicorn.
@@ -132,12 +131,7 @@ PARENT_PID_ENV = "KVFLOW_EXIT_WITH_PARENT"
 def _exit_with_parent(server) -> None:
     """A replica of `kvflow serve --data-parallel-size N` shuts down when the router's process
     is gone, however it went (SIGKILL included): no orphan holds the port and the memory."""
+    from kvflow.engine.parent_watch import watch_parent
     pid = os.environ.pop(PARENT_PID_ENV, None)
-    if not pid:
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(pid):
-            time.sleep(1.0)
-        server.should_exit = True
-    threading.Thread(target=watch, name="kvflow-parent-watch", daemon=True).start()
+    if pid:
+        watch_parent(int(pid), lambda: setattr(server, "should_exit", True))
