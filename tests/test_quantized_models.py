@@ -152,3 +152,32 @@ def test_pinned_attributes_follow_later_assignments(tiny_llama):
     down = nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
     mlp.down_proj = down
     assert mlp.down_proj is down and mlp._modules["down_proj"] is down
+
+
+@needs_kernels
+@pytest.mark.parametrize("ckpt,method,fusable", [("tiny_llama", "int8", True),
+                                                 ("tiny_llama", "q4", True),
+                                                 ("tiny_qwen2", "int8", True),
+                                                 ("tiny_qwen3", "int8", False)])
+def test_decode_steps_in_one_call_give_the_layer_by_layer_tokens_and_logprobs(
+        request, monkeypatch, ckpt, method, fusable):
+    """decode_layers (the whole stack for a step of decodes in one op) runs the Python layers'
+    ops in their order: bit for bit the same logprobs, in a batch whose steps mix prefills and
+    decodes; Qwen3's qk-norm is not in it, so its steps stay in Python."""
+    from kvflow.model import cpu_ops
+    path = request.getfixturevalue(ckpt)
+    monkeypatch.setenv("KVFLOW_CPU_QUANT", "1")
+    real, calls = torch.ops.kvflow.decode_layers.default, []
+    monkeypatch.setitem(cpu_ops.ops.__dict__, "decode_layers",
+                        lambda *a: calls.append(1) or real(*a))
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT[:7], PROMPT[3:30], PROMPT[10:13])]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_CPU_FUSED_DECODE", fused)
+        llm = LLM(path, max_model_len=128, num_threads=1, quantization=method, max_num_seqs=2)
+        n = len(calls)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert (len(calls) > n) == (fusable and fused == "1")
+    assert runs["1"] == runs["0"]

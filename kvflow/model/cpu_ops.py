@@ -25,7 +25,7 @@ import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_gemm.cpp",
-            _CSRC / "cpu_quant.cpp", _CSRC / "cpu_bf16.cpp"]
+            _CSRC / "cpu_quant.cpp", _CSRC / "cpu_bf16.cpp", _CSRC / "cpu_decode.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
 _FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",

@@ -103,8 +103,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = self.tp.embed(self.embed_tokens, input_ids, self.cfg.vocab_size)
         cos_sin = self.rotary.lookup(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer.forward(cos_sin, h, backend, kv_cache, meta)
+        fused = self.__dict__.get("fused_decode")      # set by loader.build_model
+        if fused is not None and len(cos_sin) == 3 and meta.num_decodes == h.shape[0] \
+                and "d_table" in meta.extra and kv_caches[0].dtype == torch.float32:
+            h = ops.decode_layers(h, *cos_sin, meta.slot_mapping, meta.extra["d_table"],
+                                  meta.extra["d_lens"], kv_caches, *fused)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h = layer.forward(cos_sin, h, backend, kv_cache, meta)
         return self.norm(h[logits_indices])
 
     def lm_weight(self) -> torch.Tensor:
@@ -169,6 +175,33 @@ class LlamaForCausalLM(nn.Module):
             if parts:
                 attach(self.get_submodule(name.removesuffix(".weight")),
                        [parts[k] for k in sorted(parts)])
+
+
+def fused_decode_args(model: LlamaForCausalLM) -> tuple | None:
+    """decode_layers' per-model arguments (csrc/cpu_decode.cpp: the whole stack in one call for
+    a step of decodes), or None where it does not apply: it runs only the ops of a CPU float32
+    model whose every linear is one quantized part, without tensor parallelism or qk-norm."""
+    # KVFLOW_CPU_FUSED_DECODE=0: layer by layer in Python even where decode_layers applies.
+    if os.environ.get("KVFLOW_CPU_FUSED_DECODE", "1") == "0" or model.tp is not None or model.cfg.qk_norm \
+            or not model.rotary.use_kernels:
+        return None
+    norms, linears = [], []
+    for layer in model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if not (layer.input_layernorm.use_kernels and mlp.use_kernels):
+            return None
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        linears += [m.__dict__.get("quant1") for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
+                                                       mlp.down_proj)]
+    if any(q is None for q in linears) or norms[0].dtype != torch.float32:
+        return None
+    try:
+        ops.decode_layers
+    except (AttributeError, RuntimeError):      # a kernel library built before the op existed
+        return None
+    a = model.layers[0].self_attn
+    return (norms, [q[0] for q in linears], [q[1] for q in linears], [q[2] for q in linears],
+            [q[3] for q in linears], a.num_heads, a.num_kv_heads, model.cfg.rms_norm_eps, a.scale)
 
 
 def _param(params: dict, name: str) -> torch.Tensor:

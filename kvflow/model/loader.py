@@ -102,7 +102,7 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
     """(the model's whole config, the model, its dtype). With tp (a parallel.TPGroup) the model
     is this rank's shard (model.cfg its shape)."""
     from kvflow.model.layers import keep_bf16_weights, use_cpu_kernels
-    from kvflow.model.llama import LlamaForCausalLM
+    from kvflow.model.llama import LlamaForCausalLM, fused_decode_args
     from kvflow.model.qwen2 import Qwen2ForCausalLM
     from kvflow.model.qwen3 import Qwen3ForCausalLM
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
@@ -123,6 +123,7 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
     use_cpu_kernels(model, dt, device)
     _prepare_linears(model, dt, device)
     if device == "cpu":
+        model.__dict__["fused_decode"] = fused_decode_args(model)
         pin_attributes(model)
     return cfg, model, dt
 
