@@ -51,7 +51,7 @@ def _reference_decode(q, cache, table, lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,d", [
     (4, 4, 16, 64), (6, 2, 16, 64), (8, 1, 8, 128), (12, 4, 4, 64),    # the vectorised path
-    (4, 2, 16, 32), (6, 3, 8, 40)])                                     # the generic paths
+    (4, 2, 16, 32), (6, 3, 8, 40), (10, 1, 16, 32)])                    # the generic paths
 def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, block_size, d):
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
     num_blocks = 97
