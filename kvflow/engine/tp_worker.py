@@ -82,10 +82,7 @@ def _build(args: EngineArgs, tp, device: str):
     kind, sc = tp.recv()        # rank 0 decides the KV cache's size (num_blocks)
     assert kind == "init", kind
     runner = _make_runner(args, model, cfg, dtype, backend, device, sc)
-    # Only rank 0 samples and scores prompts: here the logits are this rank's vocab shard,
-    # computed only for the gather that rank 0 reads.
-    runner.sample = lambda logits, reqs, drafts=None: {}
-    runner._score_prompts = lambda logits, st: None
+    runner.samples = False      # rank 0 alone samples and scores prompts
     tp.barrier()
     return runner
 

@@ -59,6 +59,9 @@ class ModelRunner:
         """num_kv_heads: the KV heads this process caches (under tensor parallelism, its
         share; default cfg's)."""
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        # False on a tensor-parallel worker: it computes logits only for the gather that rank 0
+        # reads (compute_logits is a collective), and rank 0 alone scores and samples.
+        self.samples = True
         self._device = torch.device(device)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.backend = backend or TorchAttentionBackend()
@@ -326,13 +329,17 @@ class ModelRunner:
         st = self.gather_inputs(so)
         hidden = self._forward(st)
         if st.prompt_rows:
-            self._score_prompts(self.model.compute_logits(hidden[len(st.logits_rows):]), st)
+            prompt_logits = self.model.compute_logits(hidden[len(st.logits_rows):])
+            if self.samples:
+                self._score_prompts(prompt_logits, st)
         if not st.sample_reqs:
             return {}
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
         logits = self.model.compute_logits(hidden[:len(st.logits_rows)] if st.prompt_rows
                                            else hidden)
+        if not self.samples:
+            return {}
         apply_grammar_bitmask(logits, so, st.sample_reqs, st.drafts)
         return self.sample(logits, st.sample_reqs, st.drafts)
 
