@@ -158,12 +158,14 @@ def test_pinned_attributes_follow_later_assignments(tiny_llama):
 @pytest.mark.parametrize("ckpt,method,fusable", [("tiny_llama", "int8", True),
                                                  ("tiny_llama", "q4", True),
                                                  ("tiny_qwen2", "int8", True),
-                                                 ("tiny_qwen3", "int8", False)])
+                                                 ("tiny_qwen3", "int8", True),
+                                                 ("tiny_llama", None, False)])
 def test_decode_steps_in_one_call_give_the_layer_by_layer_tokens_and_logprobs(
         request, monkeypatch, ckpt, method, fusable):
     """decode_layers (the whole stack for a step of decodes in one op) runs the Python layers'
-    ops in their order: bit for bit the same logprobs, in a batch whose steps mix prefills and
-    decodes; Qwen3's qk-norm is not in it, so its steps stay in Python."""
+    ops in their order: bit for bit the same logprobs (Qwen2's qkv bias and Qwen3's q/k norms
+    included), in a batch whose steps mix prefills and decodes; a float32 model stays in
+    Python."""
     from kvflow.model import cpu_ops
     path = request.getfixturevalue(ckpt)
     monkeypatch.setenv("KVFLOW_CPU_QUANT", "1")

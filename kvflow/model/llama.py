@@ -180,17 +180,19 @@ class LlamaForCausalLM(nn.Module):
 def fused_decode_args(model: LlamaForCausalLM) -> tuple | None:
     """decode_layers' per-model arguments (csrc/cpu_decode.cpp: the whole stack in one call for
     a step of decodes), or None where it does not apply: it runs only the ops of a CPU float32
-    model whose every linear is one quantized part, without tensor parallelism or qk-norm."""
+    model whose every linear is one quantized part, without tensor parallelism."""
     # KVFLOW_CPU_FUSED_DECODE=0: layer by layer in Python even where decode_layers applies.
-    if os.environ.get("KVFLOW_CPU_FUSED_DECODE", "1") == "0" or model.tp is not None or model.cfg.qk_norm \
+    if os.environ.get("KVFLOW_CPU_FUSED_DECODE", "1") == "0" or model.tp is not None \
             or not model.rotary.use_kernels:
         return None
-    norms, linears = [], []
+    norms, linears, qk_norms = [], [], []
     for layer in model.layers:
         a, mlp = layer.self_attn, layer.mlp
         if not (layer.input_layernorm.use_kernels and mlp.use_kernels):
             return None
         norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if a.q_norm is not None:
+            qk_norms += [a.q_norm.weight, a.k_norm.weight]
         linears += [m.__dict__.get("quant1") for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
                                                        mlp.down_proj)]
     if any(q is None for q in linears) or norms[0].dtype != torch.float32:
@@ -201,7 +203,8 @@ def fused_decode_args(model: LlamaForCausalLM) -> tuple | None:
         return None
     a = model.layers[0].self_attn
     return (norms, [q[0] for q in linears], [q[1] for q in linears], [q[2] for q in linears],
-            [q[3] for q in linears], a.num_heads, a.num_kv_heads, model.cfg.rms_norm_eps, a.scale)
+            [q[3] for q in linears], qk_norms, a.num_heads, a.num_kv_heads, model.cfg.rms_norm_eps,
+            a.scale)
 
 
 def _param(params: dict, name: str) -> torch.Tensor:

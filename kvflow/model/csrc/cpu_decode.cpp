@@ -4,6 +4,7 @@
 // path's; what it saves is the interpreter between them: ~12 ops and ~40 Python lines a layer,
 // about 1.3 ms of a 10 ms decode token of the default model (BENCHMARKS.md, issue 16).
 // Only for quantized float32 models (every linear one quant_linear); llama.py checks the rest.
+// Qwen3's per-head q/k norms go through at::rms_norm, as the Python layer's F.rms_norm does.
 #include "cpu_common.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -46,19 +47,23 @@ const Ops& ops() {
 }
 
 // Per layer l: norms[2l], norms[2l+1] (input, post-attention); linears 4l .. 4l+3 (qkv, o,
-// gate_up, down) as qweights/qtypes/in_features/biases, quant_linear's arguments.
+// gate_up, down) as qweights/qtypes/in_features/biases, quant_linear's arguments; qk_norms[2l],
+// qk_norms[2l+1] (q, k per head) or none.
 at::Tensor decode_layers(at::Tensor h, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& slots,
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          at::TensorList kv_caches, at::TensorList norms, at::TensorList qweights,
                          at::IntArrayRef qtypes, at::IntArrayRef in_features,
-                         const c10::List<OptT>& biases, int64_t num_heads, int64_t num_kv_heads,
+                         const c10::List<OptT>& biases, at::TensorList qk_norms,
+                         int64_t num_heads, int64_t num_kv_heads,
                          double eps, double scale) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(norms.size() == size_t(2 * L) && qweights.size() == size_t(4 * L) &&
                   qtypes.size() == size_t(4 * L) && in_features.size() == size_t(4 * L) &&
                   biases.size() == size_t(4 * L),
               "decode_layers: per layer, 2 norms and 4 linears");
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == size_t(2 * L),
+              "decode_layers: qk_norms are 2 per layer or none");
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "decode_layers: h must be float32 [T, hidden]");
   const int64_t T = h.size(0), H = num_heads, KVH = num_kv_heads;
   const Ops& o = ops();
@@ -70,6 +75,11 @@ at::Tensor decode_layers(at::Tensor h, const at::Tensor& positions, const at::Te
     const int64_t D = cache.size(4);
     at::Tensor qkv = lin(o.rms_norm.call(h, norms[2 * l], eps), 4 * l, std::nullopt)
                          .view({T, H + 2 * KVH, D});
+    if (!qk_norms.empty()) {
+      at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, KVH);
+      q.copy_(at::rms_norm(q, {D}, qk_norms[2 * l], eps));
+      k.copy_(at::rms_norm(k, {D}, qk_norms[2 * l + 1], eps));
+    }
     at::Tensor qk = qkv.narrow(1, 0, H + KVH);
     o.rotary.call(qk, positions, cos, sin);
     o.store_kv.call(cache, qkv.narrow(1, H, 2 * KVH).view({T, 2, KVH, D}), slots);
@@ -88,7 +98,8 @@ at::Tensor decode_layers(at::Tensor h, const at::Tensor& positions, const at::Te
 TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("decode_layers(Tensor h, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor block_table, Tensor seq_lens, Tensor(a!)[] kv_caches, Tensor[] norms, "
-        "Tensor[] qweights, int[] qtypes, int[] in_features, Tensor?[] biases, int num_heads, "
+        "Tensor[] qweights, int[] qtypes, int[] in_features, Tensor?[] biases, Tensor[] qk_norms, "
+        "int num_heads, "
         "int num_kv_heads, float eps, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) { m.impl("decode_layers", kvflow::decode_layers); }
