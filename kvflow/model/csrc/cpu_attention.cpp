@@ -174,8 +174,8 @@ void decode_request(const float* q, const T* kc, const T* vc, const int64_t* tab
 // One request, float32 cache, any CPU with at::vec's vectors (8 floats on AVX2): the path for
 // CPUs without AVX-512. Each K row is loaded once for the G query heads that share it, each V
 // row once per head with the head's accumulators in registers, and the rows' offsets come from
-// the block table once per request (the per-token dot/axpy below took ~400 us a layer for 32
-// requests of ~100 tokens on an AVX2 EPYC). q: [H][D] scaled; s: [H][L]; off: [L]; acc: [H][D].
+// the block table once per request: ~2x the per-token dot/axpy loop below (BENCHMARKS.md).
+// q: [H][D] scaled; s: [H][L]; off: [L]; acc: [H][D].
 constexpr int64_t kMaxG = 8;
 
 // Scores of the G query heads that share KV head kh, G a constant so the sums stay in registers.

@@ -1,10 +1,10 @@
-// decode_layers: a Llama/Qwen2 decoder stack over one step of decodes, in one call from Python.
-// It runs the ops the Python layers run (rms_norm, quant_linear, rotary_, store_kv_, paged_decode,
-// silu_and_mul), in the same order on the same tensors, so its output is bit for bit the Python
-// path's; what it saves is the interpreter between them: ~12 ops and ~40 Python lines a layer,
-// about 1.3 ms of a 10 ms decode token of the default model (BENCHMARKS.md, issue 16).
-// Only for quantized float32 models (every linear one quant_linear); llama.py checks the rest.
-// Qwen3's per-head q/k norms go through at::rms_norm, as the Python layer's F.rms_norm does.
+// decode_layers: a Llama/Qwen2/Qwen3 decoder stack over one step of decodes, in one call from
+// Python. It runs the ops the Python layers run (rms_norm, quant_linear, rotary_, store_kv_,
+// paged_decode, silu_and_mul; at::rms_norm for Qwen3's per-head q/k norms, as F.rms_norm there),
+// in the same order on the same tensors, so its output is bit for bit the Python path's; what it
+// saves is the interpreter between them, ~12 op calls and ~40 Python lines a layer (figures:
+// BENCHMARKS.md, issue 16). Only for quantized float32 models (every linear one quant_linear);
+// llama.fused_decode_args checks the rest.
 #include "cpu_common.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -55,8 +55,7 @@ at::Tensor decode_layers(at::Tensor h, const at::Tensor& positions, const at::Te
                          at::TensorList kv_caches, at::TensorList norms, at::TensorList qweights,
                          at::IntArrayRef qtypes, at::IntArrayRef in_features,
                          const c10::List<OptT>& biases, at::TensorList qk_norms,
-                         int64_t num_heads, int64_t num_kv_heads,
-                         double eps, double scale) {
+                         int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(norms.size() == size_t(2 * L) && qweights.size() == size_t(4 * L) &&
                   qtypes.size() == size_t(4 * L) && in_features.size() == size_t(4 * L) &&
@@ -99,7 +98,6 @@ TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("decode_layers(Tensor h, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor block_table, Tensor seq_lens, Tensor(a!)[] kv_caches, Tensor[] norms, "
         "Tensor[] qweights, int[] qtypes, int[] in_features, Tensor?[] biases, Tensor[] qk_norms, "
-        "int num_heads, "
-        "int num_kv_heads, float eps, float scale) -> Tensor");
+        "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) { m.impl("decode_layers", kvflow::decode_layers); }
