@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,17 @@ def free_port_run(n: int) -> int:
         if p + n <= 65535 and all(_is_free(p + i) for i in range(1, n + 1)):
             return p
     raise RuntimeError("no run of free ports")
+
+
+def stop(proc: subprocess.Popen, sig: int, timeout: float) -> str:
+    """Send sig to a server process and return its output once it exits (killed after timeout)."""
+    proc.send_signal(sig)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out
 
 
 def _is_free(port: int) -> bool:

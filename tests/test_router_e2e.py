@@ -13,7 +13,7 @@ import httpx
 import openai
 
 from router_helpers import running_router, wait_until
-from server_helpers import free_port_run, running_server
+from server_helpers import free_port_run, running_server, stop
 
 MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "Name a colour."}]
@@ -74,11 +74,6 @@ def test_serve_data_parallel_runs_replicas_behind_a_router_and_takes_them_down(t
         assert all(_up(u) for u in replicas)
         assert httpx.get(replicas[0] + "/v1/models").status_code == 401   # the key is theirs too
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop(proc, signal.SIGTERM, 60)
     assert proc.returncode in (0, 128 + signal.SIGTERM), out
     assert not any(_up(u) for u in replicas)

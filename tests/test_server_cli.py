@@ -13,7 +13,7 @@ import openai
 
 from kvflow.cli import build_parser
 from kvflow.server.cli import DEFAULT_SERVED_NAME, served_name
-from server_helpers import free_port, slow_core_steps
+from server_helpers import free_port, slow_core_steps, stop
 
 
 def test_serve_parser_defaults():
@@ -58,12 +58,7 @@ def test_kvflow_serve_subprocess(tiny_llama):
         assert httpx.get(url + "/v1/models").status_code == 401
         assert "vllm:generation_tokens_total" in httpx.get(url + "/metrics").text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop(proc, signal.SIGINT, 30)
     assert proc.returncode == 0, out
     assert f"tiny on http://127.0.0.1:{port}" in out
 
