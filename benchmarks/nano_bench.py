@@ -121,13 +121,13 @@ class DecodeBytes:
         runner = engine.runner
         inner = runner.execute_model
 
-        def counting(so):
+        def counting(so, grammar_bitmask=None):
             n = so.num_scheduled_tokens
             if n and all(v == 1 for v in n.values()):
                 ctx = sum(so.context_lens().values())
                 self.steps += 1
                 self.bytes += self.weight_bytes + ctx * self.kv_per_token
-            return inner(so)
+            return inner(so, grammar_bitmask)
 
         runner.execute_model = counting
 

@@ -122,7 +122,7 @@ def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
     execute = runner.execute_model
     samples: list[StepSample] = []
 
-    def timed(so):
+    def timed(so, grammar_bitmask=None):
         ctx = so.context_lens()
         reqs = [(n, ctx[rid]) for rid, n in so.num_scheduled_tokens.items()]
         best, out = float("inf"), None
@@ -131,7 +131,7 @@ def time_engine_steps(engine, workload: list[Arrival], repeats: int = 2,
             if k:
                 runner.requests = _copy_states(before)
             t0 = time.perf_counter()
-            out = execute(so)
+            out = execute(so, grammar_bitmask)
             best = min(best, time.perf_counter() - t0)
         if reqs:
             samples.append(StepSample(reqs, best))

@@ -165,5 +165,5 @@ def test_one_step_for_both_devices():
     from kvflow.model.cuda_runner import CudaModelRunner
     from kvflow.model.runner import ModelRunner
     for name in ("execute_model", "sample", "gather_inputs", "update_states", "release",
-                 "take_failed", "check_sampling_params"):
+                 "fail", "check_sampling_params"):
         assert getattr(CudaModelRunner, name) is getattr(ModelRunner, name), name

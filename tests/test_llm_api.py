@@ -246,11 +246,11 @@ def test_a_failing_step_aborts_the_batch(llm, monkeypatch):
     runner = llm.llm_engine.runner
     real, calls = runner.execute_model, []
 
-    def flaky(so):
+    def flaky(so, grammar_bitmask=None):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return real(so)
+        return real(so, grammar_bitmask)
 
     monkeypatch.setattr(runner, "execute_model", flaky)
     with pytest.raises(RuntimeError, match="boom"):

@@ -121,9 +121,9 @@ def test_steps_mixing_decodes_and_prefill_chunks_match_hf(arch, request):
     seen = []
     execute = engine.runner.execute_model
 
-    def recording(so):
+    def recording(so, grammar_bitmask=None):
         seen.append(sorted(so.num_scheduled_tokens.values()))
-        return execute(so)
+        return execute(so, grammar_bitmask)
 
     engine.runner.execute_model = recording
     done = {}

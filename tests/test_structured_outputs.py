@@ -16,7 +16,6 @@ import torch
 
 from helpers import make_sched, req
 from kvflow import LLM, SamplingParams
-from kvflow.core.outputs import SchedulerOutput
 from kvflow.engine.messages import EngineCoreRequest
 from kvflow.model.grammar import apply_grammar_bitmask
 from kvflow import StructuredOutputsParams as SO
@@ -235,7 +234,7 @@ def test_only_structured_requests_that_sample_need_a_bitmask_row():
     s.add_request(req("short", 2, structured_outputs=SO(regex="b+")))
     so = s.schedule()       # "long" gets a 6-token chunk of 12: it samples nothing yet
     assert so.num_scheduled_tokens == {"plain": 3, "long": 6, "short": 2}
-    assert so.structured_output_request_ids == ["short"] and so.grammar_bitmask is None
+    assert so.structured_output_request_ids == ["short"]
     s.update_from_output(so, {"plain": [1], "short": [1]})
     so = s.schedule()
     assert so.structured_output_request_ids == ["long", "short"]
@@ -251,8 +250,7 @@ def test_the_bitmask_masks_only_its_requests_rows_past_other_requests_drafts():
     bitmask = torch.zeros(2, 4, dtype=torch.int32)      # s2 first: rows follow the ids
     bitmask[0, 0] = 1 << 3          # s2 may only produce token 3
     bitmask[1, 2] = 1 << 1          # s1 may only produce token 65
-    so = SchedulerOutput(structured_output_request_ids=["s2", "s1"], grammar_bitmask=bitmask)
-    apply_grammar_bitmask(logits, so, reqs, drafts)
+    apply_grammar_bitmask(logits, bitmask, ["s2", "s1"], reqs, drafts)
     finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
     full = list(range(vocab))
     assert finite == [full, full, full, [65], full, [3]]

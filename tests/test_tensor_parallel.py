@@ -208,15 +208,15 @@ def test_a_tensor_parallel_size_the_model_cannot_split_into_raises_value_error(t
 
 def test_a_worker_crash_ends_the_engine_with_an_error(tiny_llama):
     llm = LLM(tiny_llama, tensor_parallel_size=2, **KW)
-    driver = llm.llm_engine.runner
-    worker, inner = driver.procs[0], driver.runner
+    executor = llm.llm_engine.engine_core.model_executor
+    worker, inner = executor.procs[0], executor.runner
     steps, execute = itertools.count(), inner.execute_model
 
-    def execute_and_kill_at_step_3(so):
+    def execute_and_kill_at_step_3(so, grammar_bitmask=None):
         if next(steps) == 3:        # mid-run: rank 0 has broadcast the step, not yet reduced
             worker.kill()
             worker.wait()
-        return execute(so)
+        return execute(so, grammar_bitmask)
 
     inner.execute_model = execute_and_kill_at_step_3
     first, later, sp, _ = _workload()
@@ -275,7 +275,7 @@ def test_torchrun_variables_join_the_ranks_and_rank_0_dying_ends_them(tiny_llama
     script = ("import json, sys, time; sys.path.insert(0, sys.argv[1]); "
               "import test_tensor_parallel as t; from kvflow import LLM; "
               "llm = LLM(sys.argv[2], tensor_parallel_size=2, **t.KW); "
-              "assert llm.llm_engine.runner.procs == []; "
+              "assert llm.llm_engine.engine_core.model_executor.procs == []; "
               "print(json.dumps(t._run(llm)[0]), flush=True); time.sleep(120)")
     rank0 = subprocess.Popen([sys.executable, "-c", script, os.path.dirname(__file__),
                               tiny_llama], env={**os.environ, **rdzv, "RANK": "0"},

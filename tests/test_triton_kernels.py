@@ -263,7 +263,7 @@ def test_cuda_runner_logic_on_cpu_with_eager_graphs(tiny_llama, monkeypatch):
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", attention_backend="triton",
                                   block_size=4, max_num_seqs=5))
     old = engine.runner
-    engine.engine_core.runner = runner = CudaModelRunner(
+    engine.engine_core.model_executor.runner = runner = CudaModelRunner(
         old.model, old.cfg, old.dtype, old.block_size, old.num_blocks, old.backend, 0,
         max_num_seqs=5, max_model_len=engine.scheduler_config.max_model_len,
         enforce_eager=False, device="cpu")

@@ -2,11 +2,13 @@
 from kvflow.core.block_pool import BlockPool, KVCacheBlock
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
+from kvflow.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, CachedRequestData, EngineCoreOutput,
+                                 ModelRunnerOutput, NewRequestData, RequestFailure,
                                  SchedulerOutput, SchedulerStats)
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import AsyncScheduler, Scheduler
 
-__all__ = ["BlockPool", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock", "KVCacheManager",
-           "NewRequestData", "Request", "RequestStatus", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "SchedulerStats"]
+__all__ = ["AsyncScheduler", "BlockPool", "CachedRequestData", "EMPTY_MODEL_RUNNER_OUTPUT",
+           "EngineCoreOutput", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput",
+           "NewRequestData", "Request", "RequestFailure", "RequestStatus", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]

@@ -12,6 +12,10 @@ def _pos_int(name: str, v) -> None:
 
 
 SPEC_METHODS = ("ngram",)
+# vLLM refuses the same combination: a draft is proposed from the tokens of the step before,
+# which async scheduling has not seen yet when it schedules the next step.
+ASYNC_SPEC_ERROR = ("async_scheduling does not support speculative_config (n-gram drafts need "
+                    "the previous step's tokens before the next step is scheduled); turn one off")
 
 
 @dataclass(slots=True)
@@ -81,6 +85,9 @@ class SchedulerConfig:
     watermark: float = 0.0              # fraction of num_blocks kept back from new admissions
     reserve_full_sequence: bool = True  # admission needs blocks for the whole current sequence
     speculative_config: SpeculativeConfig | None = None
+    # Step N+1 is scheduled while step N runs: a request whose token is still in flight is
+    # scheduled on a placeholder (Request.num_output_placeholders), as in vLLM's AsyncScheduler.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
@@ -89,7 +96,8 @@ class SchedulerConfig:
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {t!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "reserve_full_sequence"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "reserve_full_sequence",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
@@ -97,6 +105,8 @@ class SchedulerConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                  SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig or None")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(ASYNC_SPEC_ERROR)
         w = self.watermark
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0.0 <= w < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {w!r}")

@@ -117,8 +117,10 @@ class KVCacheManager:
         num_hits = len(new_computed_blocks)
         if not num_hits and num_need <= num_have * bs and not full_sequence:
             # Fast path (every decode step but one in block_size): no new block needed, and a
-            # block to cache only if this step's tokens cross a block boundary.
-            if self.enable_caching and num_need // bs > num_computed // bs:
+            # block to cache only if this step's tokens cross a block boundary, or a block was
+            # left uncached for a token then in flight (async scheduling).
+            if self.enable_caching and (num_need // bs > num_computed // bs
+                                        or request.num_output_placeholders):
                 self._cache_blocks(request, ids, min(num_need, len(request.all_token_ids)) // bs)
             return ids
         # Hits sitting in the free queue stop being free once taken: count them as allocations.

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
 import msgspec
 
 from kvflow.sampling_params import SamplingParams
@@ -59,11 +57,11 @@ class SchedulerOutput:
 
     Structured outputs (vLLM's fields): `structured_output_request_ids` are the scheduled
     requests with a grammar that sample a token this step (their scheduled tokens reach the end
-    of their sequence; they never verify drafts), in the order of `grammar_bitmask`'s rows. The
-    scheduler fills the ids; the engine core then sets `grammar_bitmask`, an int32 tensor
-    [len(ids), ceil(vocab_size / 32)] whose bit j of word w allows token 32 * w + j (None when
-    no id). The runner sets every disallowed logit of those requests' rows to -inf before
-    sampling. The tensor is in-process only: a runner in another process would get it sent.
+    of their sequence; they never verify drafts). The engine core computes their bitmask from
+    their grammars' states and passes it to `execute_model` beside this message (it is not a
+    scheduling decision): an int32 tensor [len(ids), ceil(vocab_size / 32)], rows in the order
+    of the ids, whose bit j of word w allows token 32 * w + j. The runner sets every
+    disallowed logit of those requests' rows to -inf before sampling.
     """
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
@@ -78,7 +76,6 @@ class SchedulerOutput:
     # Draft tokens to verify, by request: its scheduled tokens end with them (vLLM's name).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -94,6 +91,47 @@ class SchedulerOutput:
         return out
 
 
+# A logprob entry: ([token, top ids...], [logprobs...], rank of the token); see
+# kvflow/model/logprobs.py. Plain lists, so that an output crosses any boundary as it is.
+LogprobEntry = tuple[list[int], list[float], int]
+
+
+@dataclass(slots=True)
+class RequestFailure:
+    """One request's failure inside a step (its draw raised); the others go on."""
+    error: str
+    is_input: bool = False      # a ValueError: the request's own parameters were at fault
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The one answer of a step, from whatever executed it (vLLM's field names).
+
+    `sampled_token_ids[req_id_to_index[rid]]` are the tokens request rid sampled: one, or its
+    accepted drafts plus one. Only requests whose scheduled tokens reached the end of their
+    sequence appear (a prefill chunk short of it samples nothing). `logprobs` holds the
+    sampled tokens' entries of requests asking for them; `prompt_logprobs_dict` a request's
+    whole prompt's, once, in the step that samples its first token; `failed` the requests
+    whose draw raised (they sampled nothing; the engine finishes them with an error)."""
+    req_ids: list[str] = field(default_factory=list)
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, list[LogprobEntry]] | None = None
+    prompt_logprobs_dict: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
+
+    @classmethod
+    def from_sampled(cls, sampled: dict[str, list[int]], **kw) -> "ModelRunnerOutput":
+        ids = list(sampled)
+        return cls(ids, {rid: i for i, rid in enumerate(ids)}, list(sampled.values()), **kw)
+
+    def sampled(self) -> dict[str, list[int]]:
+        return dict(zip(self.req_ids, self.sampled_token_ids))
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step: tokens sampled, and how it ended if it did. A msgspec
     struct: the engine core sends it as it is to a frontend in another process."""
@@ -104,10 +142,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None            # finish_reason "error": the message ...
     error_is_input: bool = False        # ... and whether the request's input caused it
-    # Per new token / per prompt token after the first (sent once, with the first token):
-    # ([token, top ids...], [logprobs...], rank); see kvflow/model/logprobs.py.
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # Per new token / per prompt token after the first (sent once, with the first token).
+    new_logprobs: list[LogprobEntry] | None = None
+    new_prompt_logprobs: list[LogprobEntry] | None = None
 
     @property
     def finished(self) -> bool:

@@ -42,7 +42,7 @@ class Request:
                  "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "num_preemptions", "stop_reason", "block_hashes", "max_tokens", "min_tokens",
                  "stop_eos", "stop_token_set", "seq_no", "spec_token_ids", "ngram_index",
-                 "use_structured_output")
+                 "use_structured_output", "num_output_placeholders")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *, eos_token_id: int | None = None,
@@ -87,6 +87,9 @@ class Request:
         # A grammar constrains its tokens: the engine core fills a bitmask row for it in each
         # step that samples it (vLLM's name).
         self.use_structured_output = sp.structured_outputs is not None
+        # Async scheduling: tokens scheduled to be sampled by steps still in flight. Counted in
+        # num_computed_tokens (their positions are scheduled) but not yet in all_token_ids.
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,12 +11,14 @@ from collections.abc import Iterable
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData,
-                                 SchedulerOutput, SchedulerStats, SpecDecodingStats)
+from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                 NewRequestData, SchedulerOutput, SchedulerStats,
+                                 SpecDecodingStats)
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.request_queue import create_request_queue
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _NO_TOKENS = ()     # shared, so immutable
@@ -30,6 +32,7 @@ class Scheduler:
         self.max_num_batched_tokens = c.max_num_batched_tokens
         self.max_num_seqs = c.max_num_seqs
         self.priority_policy = c.policy == "priority"
+        self.async_scheduling = c.async_scheduling
         self.watermark_blocks = c.watermark_blocks
         self.kv_cache_manager = KVCacheManager(c.block_size, c.num_blocks, c.max_model_len,
                                                c.enable_prefix_caching)
@@ -116,14 +119,19 @@ class Scheduler:
 
         # 1. Running requests, in order: decodes ask for 1 token (plus their draft tokens),
         # partial prefills for the rest. A request alone in the system is not capped: chunking
-        # it would only add steps. Drafts that do not fit are cut.
+        # it would only add steps. Drafts that do not fit are cut. A token still in flight
+        # (async scheduling) counts as known: its position is scheduled on a placeholder.
         alone = len(running) == 1 and not self.waiting
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
             num_tokens = len(req.all_token_ids)
-            n = num_tokens + len(req.spec_token_ids) - computed
+            in_flight = req.num_output_placeholders
+            if in_flight and len(req.output_token_ids) + in_flight >= req.max_tokens:
+                i += 1      # its last token is in flight already: no step past max_tokens
+                continue
+            n = num_tokens + len(req.spec_token_ids) + in_flight - computed
             if 0 < threshold < n and not alone:
                 n = threshold
             if n > budget:
@@ -191,8 +199,19 @@ class Scheduler:
         )
         if self._num_structured:
             out.structured_output_request_ids = self._sampling_structured(num_scheduled)
+        if self.async_scheduling:
+            self._add_placeholders(num_scheduled)
         self.finished_req_ids = set()
         return out
+
+    def _add_placeholders(self, num_scheduled: dict[str, int]) -> None:
+        """Async scheduling: a request whose scheduled tokens reach the end of its sequence
+        (tokens in flight included) samples in this step: one more token in flight."""
+        reqs = self.requests
+        for rid in num_scheduled:
+            req = reqs[rid]
+            if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
+                req.num_output_placeholders += 1
 
     def _sampling_structured(self, num_scheduled: dict[str, int]) -> list[str]:
         """The scheduled requests with a grammar that sample this step (their computed tokens
@@ -249,11 +268,17 @@ class Scheduler:
 
     # ---- results of the step -----------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[EngineCoreOutput]:
+                           model_runner_output: ModelRunnerOutput | dict[str, list[int]]
+                           ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests' blocks.
 
-        A request verified with drafts gets its accepted drafts plus one token; its
-        num_computed_tokens steps back over the rejected ones (their KV is overwritten later)."""
+        `model_runner_output`: the step's ModelRunnerOutput, or a dict of sampled tokens by
+        request (the simulator's and the tests' fake executors). A request verified with drafts
+        gets its accepted drafts plus one token; its num_computed_tokens steps back over the
+        rejected ones (their KV is overwritten later). A request preempted while its step was
+        in flight keeps the token that step sampled (it resumes with it)."""
+        sampled_token_ids = (model_runner_output if isinstance(model_runner_output, dict)
+                             else model_runner_output.sampled())
         requests = self.requests
         spec = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
@@ -261,15 +286,23 @@ class Scheduler:
         num_finished = 0
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests.get(rid)
-            if req is None or req.status != _RUNNING:
+            if req is None:
                 continue                # finished (e.g. aborted) after it was scheduled
             toks = sampled_token_ids.get(rid)
             if not toks:
                 continue
             all_ids = req.all_token_ids
-            if req.num_computed_tokens < len(all_ids):
-                continue                # a prefill chunk short of the end samples nothing
-            drafts = spec.get(rid)
+            running = req.status == _RUNNING
+            if running:
+                # With no token in flight, a prefill chunk short of the end sampled nothing
+                # (fake executors sample every row); with tokens in flight the runner decides.
+                if not req.num_output_placeholders and req.num_computed_tokens < len(all_ids):
+                    continue
+            elif req.status != _PREEMPTED:
+                continue
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            drafts = spec.get(rid) if running else None
             if drafts:
                 num_rejected = len(drafts) + 1 - len(toks)
                 req.num_computed_tokens -= num_rejected
@@ -295,9 +328,12 @@ class Scheduler:
             if status is None:
                 outputs.append(EngineCoreOutput(rid, toks, None, None, req.num_cached_tokens))
             else:
+                if running:
+                    num_finished += 1
+                else:
+                    self.waiting.remove_requests({req})
                 req.status = status
                 self._free_request(req)
-                num_finished += 1
                 outputs.append(EngineCoreOutput(rid, toks, req.get_finished_reason(),
                                                 req.stop_reason, req.num_cached_tokens))
         if num_finished:
@@ -320,6 +356,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
+    @property
+    def num_structured_requests(self) -> int:
+        """Unfinished requests with a grammar."""
+        return self._num_structured
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -334,6 +375,14 @@ class Scheduler:
             spec_decoding=(self.spec_stats.copy() if self.config.speculative_config is not None
                            or self.spec_stats.num_drafts else None),
         )
+
+
+class AsyncScheduler(Scheduler):
+    """The scheduler with async scheduling on, whatever the config says (vLLM's class name)."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        super().__init__(config)
+        self.async_scheduling = True
 
 
 def check_new_request(c: SchedulerConfig, rid: str, n: int, max_tokens: int) -> None:

@@ -13,7 +13,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from kvflow.core.config import SpeculativeConfig
+from kvflow.core.config import ASYNC_SPEC_ERROR, SpeculativeConfig
 from kvflow.model.backends import check_attention_backend, check_device
 from kvflow.sampling_params import short_repr
 
@@ -59,6 +59,9 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1, "processes (ranks) the model is split across, Megatron-style: gloo on CPU, NCCL on "
            "CUDA. Under torchrun, the ranks torchrun started (docs/tensor_parallel.md)")
+    async_scheduling: bool | None = _arg(
+        None, "schedule step N+1 while step N runs (default: on with CUDA, off on CPU, where it "
+              "measured no faster: BENCHMARKS.md); not with --speculative-config")
     speculative_config: dict | None = _arg(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
@@ -85,11 +88,23 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         self.speculative_config_obj()      # its errors name the key at fault
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be a bool or None, got "
+                             f"{short_repr(self.async_scheduling)}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(ASYNC_SPEC_ERROR)
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path, got {type(self.model).__name__}")
 
     def speculative_config_obj(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def resolved_async_scheduling(self, device: str) -> bool:
+        """None: on where it measured faster (CUDA, as in vLLM), off on CPU; never with
+        speculative decoding (refused when asked for explicitly)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device == "cuda" and self.speculative_config is None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -100,7 +115,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             kw = dict(default=f.default, help=f.metadata["help"] or None)
             kind = hints[f.name]
-            if kind is bool:
+            if kind is bool or kind == bool | None:
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
                 continue
             base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))

@@ -6,6 +6,7 @@ EngineCoreOutputs. Text (tokenizer, detokenizer, stop strings) is the frontend's
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -14,14 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
-from kvflow.core.outputs import EngineCoreOutput
+from kvflow.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.executor import Executor
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
-from kvflow.engine.tp_executor import TPDriver, launch
 from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
-from kvflow.model.config import ModelConfig
-from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
+from kvflow.model.loader import Checkpoint, open_checkpoint
 from kvflow.model.parallel import max_kv_heads
 from kvflow.model.runner import ModelRunner, num_blocks_for_memory
 
@@ -43,30 +43,35 @@ class EngineCore:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         ckpt = ckpt if ckpt is not None else open_checkpoint(args.model)
-        tp = launch(args, ModelConfig.from_hf(ckpt.config), device)    # None: one process
+        # Load (and, under tensor parallelism, start the workers), size the KV cache, build.
+        self.model_executor = ex = Executor.get_class(args)(args, ckpt, device, backend)
         try:
-            cfg, model, dtype = build_model(ckpt, args.dtype, args.max_model_len, device=device,
-                                            quantization=args.quantization,
-                                            tp=tp.tp if tp else None)
+            cfg, dtype = ex.model_config, ex.dtype
             self.model_config, self.dtype = cfg, dtype
-            self.scheduler_config = _scheduler_config(args, cfg, dtype, device, model, backend)
-            self.runner = _make_runner(args, model, cfg, dtype, backend, device,
-                                       self.scheduler_config)
-            if tp is not None:
-                self.runner = TPDriver(self.runner, tp, self.scheduler_config)
+            self.scheduler_config = _scheduler_config(args, cfg, dtype, device, ex.model,
+                                                      backend)
+            ex.initialize(self.scheduler_config)
         except BaseException:
-            if tp is not None:
-                tp.abort()
+            ex.shutdown()
             raise
         self.scheduler = Scheduler(self.scheduler_config)
         spec = self.scheduler_config.speculative_config
         self.proposer = NgramProposer(spec, self.scheduler_config.max_model_len) if spec else None
+        # Async scheduling: the steps in flight, oldest first (at most two: one computing, one
+        # scheduled behind it), each with its SchedulerOutput and start time.
+        self.batch_queue: collections.deque | None = (
+            collections.deque() if self.scheduler_config.async_scheduling else None)
         self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
         # Made at the first request with a grammar (engines without any pay nothing); the
         # checkpoint is kept for its tokenizer, not its weights.
         self.structured_output_manager = None
         self._tokenizer_ckpt = dataclasses.replace(ckpt, weights=None)
         self.load_time = time.perf_counter() - t0
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's model runner (rank 0's under tensor parallelism)."""
+        return self.model_executor.runner
 
     def ready_message(self) -> Ready:
         return Ready(self.model_config, self.scheduler_config,
@@ -77,7 +82,7 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         """The frontend validated r; a refusal here is a bug, reported as that request's error."""
         try:
-            self.runner.check_sampling_params(r.sampling_params)
+            self.model_executor.check_sampling_params(r.sampling_params)
             grammar = r.sampling_params.structured_outputs
             if grammar is not None:     # compiled first: a grammar xgrammar refuses is a ValueError
                 self._structured_outputs().add_request(r.request_id, grammar)
@@ -97,35 +102,72 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
-        self.runner.release(request_ids)
+        self.model_executor.release(request_ids)
         self._release_grammars(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._errors)
+        return (self.scheduler.has_unfinished_requests() or bool(self._errors)
+                or bool(self.batch_queue))
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update: one step's outputs (with async scheduling, those of the
+        oldest step in flight, or none while the next one was only scheduled)."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         t0 = time.monotonic()
-        sched = self.scheduler
         outputs, self._errors = self._errors, []
-        if not sched.has_unfinished_requests():
-            return EngineCoreOutputs(outputs, sched.make_stats(), t0, t0)
-        so = sched.schedule()
-        if so.structured_output_request_ids:
-            so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                so.structured_output_request_ids)
-        sampled = self.runner.execute_model(so)
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs, self.scheduler.make_stats(), t0, t0)
+        so = self.scheduler.schedule()
+        out = self.model_executor.execute_model(so, self._grammar_bitmask(so))
+        return self._update(so, out, outputs, t0)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Async scheduling (vLLM's name): schedule step N+1 while step N runs in the
+        executor's thread; then take N's output. Requests with a grammar need their previous
+        token before their next bitmask, so while any is unfinished a step waits for the one
+        before it (no overlap then)."""
+        t0 = time.monotonic()
+        sched, queue = self.scheduler, self.batch_queue
+        outputs, self._errors = self._errors, []
+        scheduled = False
+        if len(queue) < 2 and sched.has_unfinished_requests() and not (
+                queue and sched.num_structured_requests):
+            so = sched.schedule()
+            queue.append((so, self.model_executor.execute_model(
+                so, self._grammar_bitmask(so), non_block=True), t0))
+            scheduled = so.total_num_scheduled_tokens > 0
+        if queue and (len(queue) == 2 or not scheduled):
+            so, future, start = queue.popleft()
+            return self._update(so, future.result(), outputs, start)
+        return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic())
+
+    def _grammar_bitmask(self, so: SchedulerOutput):
+        if not so.structured_output_request_ids:
+            return None
+        return self.structured_output_manager.grammar_bitmask(so.structured_output_request_ids)
+
+    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput,
+                outputs: list[EngineCoreOutput], t0: float) -> EngineCoreOutputs:
+        """Apply one step's output: tokens, stop rules, grammars, logprobs, failures, drafts."""
+        sched = self.scheduler
         new_ids = so.scheduled_new_req_ids
-        num_prompt = sum(sched.requests[rid].num_prompt_tokens for rid in new_ids)
-        for rid, err in self.runner.take_failed().items():
-            outputs.append(self._fail_request(rid, err))
-        outs = sched.update_from_output(so, sampled)
+        num_prompt = 0
+        if new_ids:     # first admissions (scheduled_new_reqs also holds resumed requests)
+            new = set(new_ids)
+            num_prompt = sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs
+                             if r.req_id in new)
+        for rid, failure in out.failed.items():
+            outputs.append(self._fail_request(rid, failure.error, failure.is_input))
+        outs = sched.update_from_output(so, out)
         if self.structured_output_manager is not None and so.structured_output_request_ids:
             outs = self._advance_grammars(outs)
-        self._attach_logprobs(outs)
+        if out.logprobs or out.prompt_logprobs_dict:
+            _attach_logprobs(outs, out)
         finished = [o.request_id for o in outs if o.finish_reason is not None]
         if finished:
-            self.runner.release(finished)
+            self.model_executor.release(finished)
             self._release_grammars(finished)
         if self.proposer is not None:
             sched.update_draft_token_ids(self.proposer.propose(sched.running, len(sched.running)))
@@ -133,25 +175,13 @@ class EngineCore:
         return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic(), new_ids,
                                  num_prompt)
 
-    def _attach_logprobs(self, outs: list[EngineCoreOutput]) -> None:
-        lps, prompt = self.runner.take_logprobs([o.request_id for o in outs])
-        if lps or prompt:
-            for o in outs:
-                lp = lps.get(o.request_id)
-                if lp is not None:      # a stop may have cut the accepted tokens short
-                    o.new_logprobs = lp[:len(o.new_token_ids)]
-                o.new_prompt_logprobs = prompt.get(o.request_id)
-
-    def _fail_request(self, rid: str, err: Exception) -> EngineCoreOutput:
+    def _fail_request(self, rid: str, error: str, is_input: bool) -> EngineCoreOutput:
         """Finish one request with finish_reason "error" (blocks and generator freed); the
-        others go on. A ValueError means the request's input was at fault."""
-        logger.error("request %s failed: %r", rid, err, exc_info=err)
+        others go on. is_input: the request's own input was at fault."""
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-        self.runner.release((rid,))
+        self.model_executor.release((rid,))
         self._release_grammars((rid,))
-        return EngineCoreOutput(rid, [], "error", error=f"{type(err).__name__}: {err}"
-                                if not isinstance(err, ValueError) else str(err),
-                                error_is_input=isinstance(err, ValueError))
+        return EngineCoreOutput(rid, [], "error", error=error, error_is_input=is_input)
 
     # ---- structured outputs ---------------------------------------------------------------
     def _structured_outputs(self) -> StructuredOutputManager:
@@ -186,9 +216,10 @@ class EngineCore:
                 continue
             n, ended = mgr.accept_tokens(rid, o.new_token_ids)
             if n < len(o.new_token_ids) and not ended:
-                result.append(self._fail_request(rid, ValueError(
-                    f"structured_outputs: no token is allowed by both the grammar and the other "
-                    f"sampling parameters after {len(o.new_token_ids) - 1} tokens")))
+                error = (f"structured_outputs: no token is allowed by both the grammar and the "
+                         f"other sampling parameters after {len(o.new_token_ids) - 1} tokens")
+                logger.error("request %s failed: %s", rid, error)
+                result.append(self._fail_request(rid, error, True))
                 continue
             del o.new_token_ids[n:]
             if ended and o.finish_reason is None:
@@ -210,6 +241,7 @@ class EngineCore:
         return None
 
     def kv_state(self) -> dict:
+        self.model_executor.wait_idle()     # releases queued behind a step in flight
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting),
                 "unfinished": len(s.requests), "runner_requests": len(self.runner.requests),
@@ -221,10 +253,18 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the executor's thread and the tensor-parallel workers, if any (they also stop
+        when this process exits)."""
+        self.model_executor.shutdown()
+
+
+def _attach_logprobs(outs: list[EngineCoreOutput], out: ModelRunnerOutput) -> None:
+    lps, prompt = out.logprobs or {}, out.prompt_logprobs_dict
+    for o in outs:
+        lp = lps.get(o.request_id)
+        if lp is not None:      # a stop may have cut the accepted tokens short
+            o.new_logprobs = lp[:len(o.new_token_ids)]
+        o.new_prompt_logprobs = prompt.get(o.request_id)
 
 
 def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
@@ -260,7 +300,8 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
-        watermark=args.watermark, speculative_config=args.speculative_config_obj())
+        watermark=args.watermark, speculative_config=args.speculative_config_obj(),
+        async_scheduling=args.resolved_async_scheduling(device))
 
 
 def _tp_cuda_kv_memory(utilization: float) -> int:
@@ -269,20 +310,3 @@ def _tp_cuda_kv_memory(utilization: float) -> int:
     it). Rank 0 decides for all ranks: the GPUs are assumed alike."""
     free, total = torch.cuda.mem_get_info()
     return max(int(total * utilization) - (total - free) - (1 << 30), 0)
-
-
-def _make_runner(args: EngineArgs, model, cfg, dtype, backend, device: str,
-                 sc: SchedulerConfig) -> ModelRunner:
-    """cfg: the whole model's (the sampler's vocabulary); the KV cache holds model.cfg's heads
-    (under tensor parallelism, this rank's)."""
-    kv_heads = getattr(model, "cfg", cfg).num_kv_heads
-    if device == "cuda":
-        from kvflow.model.cuda_runner import CudaModelRunner
-        # No CUDA graphs under tensor parallelism: the NCCL collectives are not captured.
-        eager = args.enforce_eager or getattr(model, "tp", None) is not None
-        return CudaModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend,
-                               args.seed, sc.max_num_seqs, sc.max_model_len, eager,
-                               num_kv_heads=kv_heads)
-    return ModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend, seed=args.seed,
-                       num_kv_heads=kv_heads)
-

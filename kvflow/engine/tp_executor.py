@@ -6,7 +6,7 @@ tensor_parallel_size N > 1 it either starts N - 1 worker processes itself
 torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment), joins the ranks
 torchrun started, on this node or others: after the rendezvous both are the same.
 
-Each step, TPDriver broadcasts the SchedulerOutput once (with the tokens rank 0 sampled in the
+Each step, TPExecutor broadcasts the SchedulerOutput once (with the tokens rank 0 sampled in the
 step before, which the workers' request states need for their next inputs), then runs the
 same forward pass as the workers; only rank 0 gets the full logits and samples. A worker that
 dies makes rank 0's next collective raise (its sockets close): the step raises, and the engine
@@ -24,13 +24,19 @@ import weakref
 
 import msgspec
 
+from kvflow.core.config import SchedulerConfig
+from kvflow.core.outputs import ModelRunnerOutput
 from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.executor import Executor
+from kvflow.engine.tp_messages import ExecuteStep, InitWorkers, ShutdownWorkers
 from kvflow.engine.tp_worker import torchrun_env
+from kvflow.engine.worker import load_model, make_model_runner
+from kvflow.model.config import ModelConfig
 from kvflow.model.parallel import TPGroup, check_tp_size, destroy, init_distributed
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE: weakref.ref | None = None     # this process's TPDriver (one process group per process)
+_ACTIVE: weakref.ref | None = None     # this process's TPExecutor (one process group per process)
 
 
 class Launch:
@@ -89,43 +95,54 @@ def _spawn_worker(args: EngineArgs, rank: int, world: int, addr: str, port: int
          msgspec.json.encode(args).decode()], stdin=subprocess.DEVNULL, env=env)
 
 
-class TPDriver:
-    """Rank 0's model runner: the wrapped runner's interface (attributes pass through), with
-    execute_model broadcasting each step to the workers first."""
+class TPExecutor(Executor):
+    """Rank 0's executor: its own shard and runner, and each step broadcast to the workers
+    before rank 0 runs it."""
 
-    def __init__(self, runner, launch: Launch, scheduler_config) -> None:
-        global _ACTIVE
-        self.runner, self.tp, self.procs = runner, launch.tp, launch.procs
+    def __init__(self, args: EngineArgs, ckpt, device: str, backend) -> None:
+        super().__init__(args, ckpt, device, backend)
+        started = launch(args, ModelConfig.from_hf(ckpt.config), device)
+        self.tp, self.procs = started.tp, started.procs
         self._sampled: dict[str, list[int]] = {}
+        self._failed: dict = {}
         self._error: str | None = None
         self._state = {"stopped": False}
+        try:
+            self.model_config, self.model, self.dtype = load_model(args, device, self.tp, ckpt)
+        except BaseException:
+            started.abort()
+            raise
+
+    def initialize(self, scheduler_config: SchedulerConfig) -> None:
+        global _ACTIVE
+        try:
+            self.runner = make_model_runner(self.args, self.model, self.model_config,
+                                            self.dtype, self.backend, self.device,
+                                            scheduler_config)
+        except BaseException:
+            _stop(self.tp, self.procs, graceful=False)
+            raise
         self._finalizer = weakref.finalize(self, _stop, self.tp, self.procs, True, self._state)
         # The workers size their KV caches from rank 0's scheduler config, then all meet.
         try:
-            self.tp.send(("init", scheduler_config))
+            self.tp.send(InitWorkers(scheduler_config))
             self.tp.barrier()
-        except Exception as e:      # a worker failed to load (the caller stops the others)
+        except Exception as e:      # a worker failed to load
             self._state["stopped"] = True
-            raise RuntimeError(f"tensor-parallel start failed: {_explain(self.procs, e)}") from e
+            error = f"tensor-parallel start failed: {_explain(self.procs, e)}"
+            _stop(self.tp, self.procs, graceful=False)
+            raise RuntimeError(error) from e
         _ACTIVE = weakref.ref(self)
 
-    def __getattr__(self, name: str):
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
-
-    def execute_model(self, so) -> dict[str, list[int]]:
+    def _execute(self, so, grammar_bitmask) -> ModelRunnerOutput:
         if self._error is not None:
             raise RuntimeError(self._error)
         try:
             self._check_workers()
-            bitmask, so.grammar_bitmask = so.grammar_bitmask, None     # rank 0 alone samples
-            try:
-                self.tp.send(("step", so, self._sampled))
-            finally:
-                so.grammar_bitmask = bitmask
-            self._sampled = self.runner.execute_model(so)
-            return self._sampled
+            self.tp.send(ExecuteStep(so, self._sampled, list(self._failed)))
+            out = self.runner.execute_model(so, grammar_bitmask)     # rank 0 alone samples
+            self._sampled, self._failed = out.sampled(), out.failed
+            return out
         except BaseException as e:
             # Also on KeyboardInterrupt: a step cut short leaves the ranks at different
             # points of their collectives, which no later step could realign.
@@ -137,11 +154,6 @@ class TPDriver:
                 raise
             raise RuntimeError(self._error) from e
 
-    def forward_logits(self, token_ids):
-        # rank 0 alone would wait in the first all-reduce for workers that never join it
-        raise NotImplementedError("forward_logits (a test helper) runs without the workers: "
-                                  "not under tensor parallelism")
-
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.procs, 1):
             if p.poll() is not None:
@@ -149,8 +161,11 @@ class TPDriver:
 
     def shutdown(self) -> None:
         """Tell the workers to exit and leave the process group (also at exit, or when the
-        driver is collected)."""
-        self._finalizer()
+        executor is collected)."""
+        super().shutdown()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
 
 def _explain(procs: list[subprocess.Popen], e: Exception) -> str:
@@ -173,7 +188,7 @@ def _stop(tp: TPGroup | None, procs: list[subprocess.Popen], graceful: bool,
         state["stopped"] = True
     if graceful and tp is not None:
         try:
-            tp.send(("shutdown",))
+            tp.send(ShutdownWorkers())
         except Exception:      # a worker is gone already: nothing to tell
             graceful = False
     for p in procs:

@@ -19,6 +19,7 @@ import msgspec
 
 from kvflow.engine.arg_utils import EngineArgs     # torch-free: run_if_worker loads no torch
 from kvflow.engine.parent_watch import watch_parent
+from kvflow.engine.tp_messages import InitWorkers, ShutdownWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +74,14 @@ def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
 
 
 def _build(args: EngineArgs, tp, device: str):
-    from kvflow.engine.core import _make_runner
+    from kvflow.engine.worker import load_model, make_model_runner
     from kvflow.model.backends import make_backend, resolve_attention_backend
-    from kvflow.model.loader import build_model, open_checkpoint
     backend = make_backend(resolve_attention_backend(args.attention_backend, device), device)
-    cfg, model, dtype = build_model(open_checkpoint(args.model), args.dtype, args.max_model_len,
-                                    device=device, quantization=args.quantization, tp=tp)
-    kind, sc = tp.recv()        # rank 0 decides the KV cache's size (num_blocks)
-    assert kind == "init", kind
-    runner = _make_runner(args, model, cfg, dtype, backend, device, sc)
+    cfg, model, dtype = load_model(args, device, tp)
+    init = tp.recv()        # rank 0 decides the KV cache's size (num_blocks)
+    assert isinstance(init, InitWorkers), init
+    runner = make_model_runner(args, model, cfg, dtype, backend, device,
+                               init.scheduler_config)
     runner.samples = False      # rank 0 alone samples and scores prompts
     tp.barrier()
     return runner
@@ -96,17 +96,18 @@ def _loop(tp, runner) -> None:
 def _steps(tp, runner) -> None:
     while True:
         msg = tp.recv()
-        if msg[0] == "shutdown":
+        if isinstance(msg, ShutdownWorkers):
             return
-        _, so, sampled = msg
         # The tokens rank 0 sampled last step: rank 0's runner appended them to its request
         # states as it sampled; here they arrive one step later, before they are needed.
         reqs = runner.requests
-        for rid, toks in sampled.items():
+        for rid, toks in msg.sampled.items():
             st = reqs.get(rid)
             if st is not None:
                 st.token_ids.extend(toks)
-        runner.execute_model(so)
+        if msg.failed:
+            runner.skip_failed(msg.failed)
+        runner.execute_model(msg.scheduler_output)
 
 
 if __name__ == "__main__":

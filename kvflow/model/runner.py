@@ -5,12 +5,14 @@ The runner keeps its own state per request (CachedRequestState), built and updat
 SchedulerOutput alone, so that the scheduler's Request objects could live in another process."""
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
 import torch
 
-from kvflow.core.outputs import NewRequestData, SchedulerOutput
+from kvflow.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData,
+                                 RequestFailure, SchedulerOutput)
 from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from kvflow.model.config import ModelConfig
 from kvflow.model.grammar import apply_grammar_bitmask
@@ -48,6 +50,8 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 _NONE: list[int] = []     # no drafts (shared, never mutated)
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     # The CPU kernels index the cache with int64 block ids; the Triton kernels read int32.
@@ -72,12 +76,16 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed, device)
         self.token_counts = TokenCounts(cfg.vocab_size, self._device)
-        # Logprobs of this step's sampled tokens and prompts, by request (take_logprobs()).
+        # This step's sampled-token logprobs and failures, by request (the step's output).
         self.logprobs: dict[str, list[LogprobEntry]] = {}
+        self.failed: dict[str, RequestFailure] = {}
+        # Prompt logprobs gathered over a request's prefill chunks, sent with its first token.
         self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}    # by request id, made at first draw
-        self.failed: dict[str, Exception] = {}      # requests whose draw raised, by id
+        # Requests whose draw raised, until the engine's finished_req_ids names them: a step
+        # scheduled while theirs was in flight (async scheduling) skips them.
+        self.failed_ids: set[str] = set()
 
     @staticmethod
     def check_sampling_params(sp: SamplingParams) -> None:
@@ -107,6 +115,7 @@ class ModelRunner:
         for rid in request_ids:
             self._drop(rid)
             self.generators.pop(rid, None)
+            self.failed_ids.discard(rid)
 
     def _drop(self, rid: str) -> None:
         st = self.requests.pop(rid, None)
@@ -133,26 +142,41 @@ class ModelRunner:
             self._drop(rid)
         for nr in so.scheduled_new_reqs:
             self._drop(nr.req_id)
+            self.failed_ids.discard(nr.req_id)
             reqs[nr.req_id] = self._add_state(nr)
         c = so.scheduled_cached_reqs
+        failed = self.failed_ids
         for rid, toks, computed in zip(c.req_ids, c.new_token_ids, c.num_computed_tokens):
+            if rid in failed:
+                continue
             st = reqs[rid]
             if toks:
                 st.token_ids.extend(toks)
             st.num_computed_tokens = computed
         for rid, blocks in c.new_block_ids.items():
-            reqs[rid].block_ids.extend(blocks)
+            if rid not in failed:
+                reqs[rid].block_ids.extend(blocks)
 
-    def take_failed(self) -> dict[str, Exception]:
-        failed, self.failed = self.failed, {}
-        return failed
+    def fail(self, rid: str, err: Exception) -> None:
+        """Request rid's draw raised: it is finished with an error (by the engine, from the
+        step's output); until then, steps already scheduled skip it."""
+        self.failed[rid] = RequestFailure(
+            str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}",
+            isinstance(err, ValueError))
+        self.skip_failed((rid,))
+
+    def skip_failed(self, request_ids) -> None:
+        """Forget these failed requests' states; steps already scheduled skip them."""
+        for rid in request_ids:
+            self._drop(rid)
+            self.failed_ids.add(rid)
 
     def sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
                drafts: list[list[int]] | None = None) -> dict[str, list[int]]:
         """One token per request; with drafts (request i owning len(drafts[i]) + 1 logits rows),
         its accepted drafts plus one. If the batched draw raises, each request is drawn alone,
-        so that only the requests at fault fail (they go to self.failed, for the engine to
-        finish). Bad parameters raise before any seeded row draws; only a broken generator could
+        so that only the requests at fault fail (the step's output names them, for the engine
+        to finish). Bad parameters raise before any seeded row draws; only a broken generator could
         leave the seeded rows before it one draw further (not snapshotted: ~2 us a row every
         step). Sampled tokens are appended to their request's state: the scheduler never resends
         them."""
@@ -238,15 +262,6 @@ class ModelRunner:
             self.prompt_logprobs.setdefault(r.req_id, []).extend(entries[o:o + len(ts)])
             o += len(ts)
 
-    def take_logprobs(self, request_ids) -> tuple[dict[str, list[LogprobEntry]],
-                                                  dict[str, list[LogprobEntry]]]:
-        """(sampled-token logprobs of this step, complete prompt logprobs) of these requests;
-        forgotten here."""
-        lps, self.logprobs = self.logprobs, {}
-        prompt = {rid: self.prompt_logprobs.pop(rid) for rid in request_ids
-                  if rid in self.prompt_logprobs}
-        return lps, prompt
-
     def _draw_each(self, logits: torch.Tensor, reqs: list[CachedRequestState],
                    drafts: list[list[int]]) -> list[list[int] | None]:
         results, errors, o = [], {}, 0
@@ -259,7 +274,9 @@ class ModelRunner:
             o += len(d) + 1
         if len(errors) == len(reqs) > 1:    # every request fails: the sampler, not a request
             raise next(iter(errors.values()))
-        self.failed.update(errors)
+        for rid, e in errors.items():
+            logger.error("request %s failed: %r", rid, e, exc_info=e)
+            self.fail(rid, e)
         return results
 
     def gather_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -270,6 +287,8 @@ class ModelRunner:
         bs = self.block_size
         spec = so.scheduled_spec_decode_tokens
         items = so.num_scheduled_tokens.items()
+        if self.failed_ids:
+            items = [(rid, n) for rid, n in items if rid not in self.failed_ids]
         order = [rid for rid, n in items if n == 1 or rid in spec]
         num_decodes = len(order) + sum(len(d) for d in spec.values())
         order += [rid for rid, n in items if n != 1 and rid not in spec]
@@ -322,26 +341,43 @@ class ModelRunner:
         return st
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> dict[str, list[int]]:
+    def execute_model(self, so: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
+                      ) -> ModelRunnerOutput:
+        """Run one step. grammar_bitmask: the rows of so.structured_output_request_ids (the
+        engine core's grammars), or None."""
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return {}
+            return EMPTY_MODEL_RUNNER_OUTPUT
         st = self.gather_inputs(so)
+        if not st.input_ids:        # every scheduled request failed in a step still in flight
+            return EMPTY_MODEL_RUNNER_OUTPUT
         hidden = self._forward(st)
         if st.prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[len(st.logits_rows):])
             if self.samples:
                 self._score_prompts(prompt_logits, st)
         if not st.sample_reqs:
-            return {}
+            return EMPTY_MODEL_RUNNER_OUTPUT
         # Model-dtype logits: the sampler takes the argmax of greedy rows before any upcast
         # (exact: bf16 -> float32 preserves order) and upcasts only when it samples.
         logits = self.model.compute_logits(hidden[:len(st.logits_rows)] if st.prompt_rows
                                            else hidden)
         if not self.samples:
-            return {}
-        apply_grammar_bitmask(logits, so, st.sample_reqs, st.drafts)
-        return self.sample(logits, st.sample_reqs, st.drafts)
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, grammar_bitmask, so.structured_output_request_ids,
+                                  st.sample_reqs, st.drafts)
+        sampled = self.sample(logits, st.sample_reqs, st.drafts)
+        return self._output(sampled)
+
+    def _output(self, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+        """The step's answer; the per-step logprobs and failures move into it."""
+        lps, self.logprobs = self.logprobs, {}
+        failed, self.failed = self.failed, {}
+        prompt = self.prompt_logprobs
+        prompt = {rid: prompt.pop(rid) for rid in sampled if rid in prompt} if prompt else {}
+        return ModelRunnerOutput.from_sampled(sampled, logprobs=lps or None,
+                                              prompt_logprobs_dict=prompt, failed=failed)
 
     def _upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """Host data as a tensor on the runner's device (on a GPU: from pinned memory, without
@@ -369,6 +405,10 @@ class ModelRunner:
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
         """All-position logits of one prompt run through the paged path (blocks 0..n-1); for
         tests and debugging, not for serving."""
+        if getattr(self.model, "tp", None) is not None:
+            # rank 0 alone would wait in the first all-reduce for workers that never join it
+            raise NotImplementedError("forward_logits (a test helper) runs without the "
+                                      "workers: not under tensor parallelism")
         bs, n = self.block_size, len(token_ids)
         nb = -(-n // bs)
         if nb > self.num_blocks:
