@@ -9,15 +9,15 @@ place (bodies.py: 415, 413 or a 400 naming the field), checked against the model
 context length (400); ValueErrors of the engine's add_request become 400s. Error bodies are
 always encodable. A 500 means a bug in kvflow.
 
-A client that goes away, streaming or not, gets its requests aborted (see _until_disconnect); one
-that goes away mid-body is logged in one line. On shutdown (see http_server.KvflowServer) running
-requests get a grace period (Drain), then end with a 503 or, streaming, an error event.
+A client that goes away, streaming or not, gets its requests aborted (see
+http_common.until_disconnect); one that goes away mid-body is logged in one line. On shutdown (see
+http_server.KvflowServer) running requests get a grace period (http_common.Drain), then end with a
+503 or, streaming, an error event.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -34,6 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.server.bodies import ClientGone, read_json, validate_body
+from kvflow.server.http_common import (DEFAULT_MAX_BODY_BYTES, Drain, Guard, error_response,
+                                       shutting_down, until_disconnect)
 from kvflow.server.http_server import make_server
 from kvflow.server.metrics import PrometheusStatLogger
 from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -41,92 +43,7 @@ from kvflow.server.protocol import (ApiError, ChatCompletionRequest, CompletionR
 from kvflow.server.serving import OpenAIServing
 from kvflow.server.sse import SSEStream
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("uvicorn.error")
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-class _Guard:
-    """Pure ASGI middleware: the API key on every route but /health (and /metrics if made
-    public) (401), and a declared body too large (413)."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int,
-                 public_paths: frozenset[str]) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.public_paths = public_paths
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            err = None
-            headers = dict(scope["headers"])
-            if self.expected is not None and scope["path"] not in self.public_paths:
-                got = headers.get(b"authorization", b"")
-                if not hmac.compare_digest(got, self.expected):
-                    err = ApiError(401, "Incorrect or missing API key: send 'Authorization: "
-                                        "Bearer <key>'", None, code="invalid_api_key")
-            length = headers.get(b"content-length")
-            if err is None and length is not None:
-                try:
-                    too_big = int(length) > self.max_body_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    err = ApiError(413, f"the request body is {int(length)} bytes; the limit is "
-                                        f"{self.max_body_bytes}", None, code="request_too_large")
-            if err is not None:
-                await _error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class Drain:
-    """The shutdown grace period: `expired` is set `grace` seconds after begin(); requests still
-    running then end with a 503, streams with an error event."""
-
-    def __init__(self) -> None:
-        self.expired = asyncio.Event()
-
-    def begin(self, grace: float) -> None:
-        asyncio.get_running_loop().call_later(max(grace, 0.0), self.expired.set)
-
-
-def _shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", None, type="server_error")
-
-
-async def _until_disconnect(receive, coro, expired: asyncio.Event | None = None):
-    """Run coro, cancelling it if the client disconnects first (its streams then abort; returns
-    None) or the shutdown grace period runs out (raises a 503)."""
-    task = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    stop = asyncio.ensure_future(expired.wait() if expired is not None else asyncio.Future())
-    try:
-        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if stop in done and watch not in done:
-            raise _shutting_down()
-        return None
-    finally:
-        watch.cancel()
-        stop.cancel()
-        if not task.done():
-            task.cancel()
 
 
 async def _until_expired(body, expired: asyncio.Event):
@@ -142,7 +59,7 @@ async def _until_expired(body, expired: asyncio.Event):
                 nxt.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                     await nxt
-                yield f"data: {json.dumps(_shutting_down().body())}\n\n"
+                yield f"data: {json.dumps(shutting_down().body())}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             try:
@@ -165,7 +82,7 @@ class _SSEResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await _until_disconnect(receive, super().__call__(scope, receive, send))
+            await until_disconnect(receive, super().__call__(scope, receive, send))
         finally:
             self._stream.close()
 
@@ -218,13 +135,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     app.state.async_llm, app.state.serving, app.state.metrics = async_llm, serving, metrics
     app.state.drain = drain = Drain()
     public = frozenset({"/health", "/metrics"} if public_metrics else {"/health"})
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        public_paths=public)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request, e: ClientGone):
@@ -237,13 +154,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     async def _validation_error(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return _error_response(ApiError(400, f"{'.'.join(loc)}: {first['msg']}",
+        return error_response(ApiError(400, f"{'.'.join(loc)}: {first['msg']}",
                                         loc[0] if loc else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         # e.headers carries a 405's Allow header
-        r = _error_response(ApiError(e.status_code, str(e.detail), None,
+        r = error_response(ApiError(e.status_code, str(e.detail), None,
                                      type="invalid_request_error" if e.status_code < 500
                                      else "server_error"))
         r.headers.update(e.headers or {})
@@ -251,17 +168,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request, e: EngineDeadError):
-        return _error_response(ApiError(503, str(e), None, type="server_error"))
+        return error_response(ApiError(503, str(e), None, type="server_error"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):
         # A bug in kvflow (client input never gets here); uvicorn logs the traceback.
-        return _error_response(ApiError(500, f"internal error: {e!r}", None, type="server_error"))
+        return error_response(ApiError(500, f"internal error: {e!r}", None, type="server_error"))
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health():
         if not async_llm.is_running:
-            return _error_response(ApiError(503, "the engine is not running", None,
+            return error_response(ApiError(503, "the engine is not running", None,
                                             type="server_error"))
         return Response(status_code=200)
 
@@ -283,7 +200,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
 
     async def _generate(request: Request, model: type[BaseModel], handler):
         req = validate_body(model, await read_json(request, max_body_bytes))
-        result = await _until_disconnect(request.receive, handler(req), drain.expired)
+        result = await until_disconnect(request.receive, handler(req), drain.expired)
         if result is None:      # the client is gone; nobody reads this
             return Response(status_code=499)
         if isinstance(result, SSEStream):

@@ -6,11 +6,9 @@ import os
 import sys
 import threading
 
+from kvflow.server.http_common import PARENT_PID_ENV, add_http_args
+
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-# Seconds; here rather than in http_server so that building the parser imports no uvicorn.
-DEFAULT_HEADER_TIMEOUT = 10.0
-DEFAULT_BODY_TIMEOUT = 30.0
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def add_serve_parser(sub) -> None:
@@ -32,32 +30,6 @@ def add_serve_parser(sub) -> None:
                    help="with --data-parallel-size > 1: how the router picks a replica "
                         "(default: prefix)")
     p.set_defaults(func=cmd_serve, serve_parser=p)
-
-
-def add_http_args(p) -> None:
-    """The flags `kvflow serve` and `kvflow router` share: address, auth, limits, timeouts."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KVFLOW_API_KEY)")
-    p.add_argument("--metrics-no-auth", action="store_true",
-                   help="with --api-key, leave /metrics open (for Prometheus scrapers)")
-    p.add_argument("--max-request-body-bytes", type=int, default=1 << 20,
-                   help="larger bodies get a 413 (default: 1 MiB)")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a client has to send a request's line and headers, from its "
-                        "first byte; a late one gets a 408 and is disconnected "
-                        f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
-    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
-                   help="seconds a client has to send a request's body, after its headers "
-                        f"(default: {DEFAULT_BODY_TIMEOUT:g})")
-    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
-                   help="on SIGTERM/Ctrl-C, seconds in-flight requests have to finish before "
-                        "they end with an error (streams: an error event) "
-                        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
 
 
 def served_name(model: str | None) -> str:
@@ -123,9 +95,6 @@ def cmd_serve(args) -> int:
         print(f"kvflow serve: the engine failed ({llm.step_error!r}); exiting", file=sys.stderr)
         return 1
     return 0 if server.started else 3       # 3: uvicorn.run's exit code for a failed startup
-
-
-PARENT_PID_ENV = "KVFLOW_EXIT_WITH_PARENT"
 
 
 def _exit_with_parent(server) -> None:

@@ -6,7 +6,7 @@ the server). `TimedH11Protocol` gives each request `header_timeout` seconds from
 (or from the connection) to finish its request line and headers, and `body_timeout` seconds from
 then to finish its body; a late client gets a 408 and its connection is closed.
 
-`KvflowServer.shutdown` starts the app's grace period (see api_server.Drain) before uvicorn stops
+`KvflowServer.shutdown` starts the app's grace period (see http_common.Drain) before uvicorn stops
 accepting and waits for the in-flight requests; uvicorn's own graceful timeout is a backstop a few
 seconds after the grace period, when every stream has already ended with an error event.
 """
@@ -19,8 +19,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvflow.server.cli import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
-                               DEFAULT_SHUTDOWN_TIMEOUT)
+from kvflow.server.http_common import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
+                                       DEFAULT_SHUTDOWN_TIMEOUT)
 
 _BACKSTOP_S = 5.0       # uvicorn cancels what is left this long after the grace period
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from kvflow.server.cli import PARENT_PID_ENV
+from kvflow.server.http_common import PARENT_PID_ENV
 
 # Flags of the `serve` parser that are the front's, not the replicas'.
 _FRONT_ONLY = {"host", "port", "api_key", "data_parallel_size", "router_policy", "help"}

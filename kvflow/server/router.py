@@ -26,9 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.core.routing import Key
-from kvflow.server.api_server import (DEFAULT_MAX_BODY_BYTES, Drain, _error_response, _Guard,
-                                      _until_disconnect)
 from kvflow.server.bodies import ClientGone, read_json
+from kvflow.server.http_common import (DEFAULT_MAX_BODY_BYTES, Drain, Guard, error_response,
+                                       until_disconnect)
 from kvflow.server.protocol import ApiError
 from kvflow.server.router_pool import (ReplicaDown, ReplicaPool, Ticket, health_loop,
                                        or_killed)
@@ -104,7 +104,7 @@ class _StreamThrough(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await _until_disconnect(receive, super().__call__(scope, receive, send))
+            await until_disconnect(receive, super().__call__(scope, receive, send))
         finally:
             await self.upstream.aclose()
             self.pool.release(self.ticket)
@@ -140,20 +140,20 @@ class Router:
         ticket = self.pool.acquire(key_of(body))       # after every 4xx check
         up, handed_off = None, False
         try:
-            up = await _until_disconnect(request.receive,
-                                         or_killed(self._open(ticket, path, body), ticket))
+            up = await until_disconnect(request.receive,
+                                        or_killed(self._open(ticket, path, body), ticket))
             if up is None:      # the client is gone; nobody reads this
                 return Response(status_code=499)
             if up.status_code == 200 and up.headers.get("content-type", "").startswith(_SSE):
                 handed_off = True       # the stream closes it and releases the ticket
                 return _StreamThrough(up, ticket, self.pool)
-            content = await _until_disconnect(request.receive, or_killed(up.aread(), ticket))
+            content = await until_disconnect(request.receive, or_killed(up.aread(), ticket))
             if content is None:
                 return Response(status_code=499)
             return Response(content, status_code=up.status_code,
                             media_type=up.headers.get("content-type"))
         except (ReplicaDown, httpx.HTTPError) as e:
-            return _error_response(_upstream_error(e, self.pool, ticket))
+            return error_response(_upstream_error(e, self.pool, ticket))
         finally:
             if not handed_off:
                 if up is not None:
@@ -180,7 +180,7 @@ class Router:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request, e: ClientGone):
@@ -188,7 +188,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
-        r = _error_response(ApiError(e.status_code, str(e.detail), None))
+        r = error_response(ApiError(e.status_code, str(e.detail), None))
         r.headers.update(e.headers or {})
         return r
 
@@ -226,7 +226,7 @@ def build_router_app(backends: list[str], policy: str = "prefix", *, api_key: st
     app = FastAPI(title="kvflow router", version=__version__, lifespan=lifespan)
     app.state.pool, app.state.router, app.state.drain = pool, router, drain
     public = frozenset({"/health", "/metrics"} if public_metrics else {"/health"})
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        public_paths=public)
     _install_error_handlers(app)
     _add_routes(app, router, pool)

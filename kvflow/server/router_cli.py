@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from kvflow.core.routing import POLICIES         # pure Python, already loaded by kvflow.cli
-from kvflow.server.cli import add_http_args
+from kvflow.server.http_common import add_http_args
 
 
 def add_router_parser(sub) -> None:
