@@ -6,6 +6,8 @@ import os
 import sys
 import threading
 
+from kvflow import envs
+
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # Seconds; here rather than in http_server so that building the parser imports no uvicorn.
 DEFAULT_HEADER_TIMEOUT = 10.0
@@ -38,7 +40,7 @@ def add_http_args(p) -> None:
     """The flags `kvflow serve` and `kvflow router` share: address, auth, limits, timeouts."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+    p.add_argument("--api-key", default=envs.KVFLOW_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVFLOW_API_KEY)")
     p.add_argument("--metrics-no-auth", action="store_true",
@@ -132,6 +134,7 @@ def _exit_with_parent(server) -> None:
     """A replica of `kvflow serve --data-parallel-size N` shuts down when the router's process
     is gone, however it went (SIGKILL included): no orphan holds the port and the memory."""
     from kvflow.engine.parent_watch import watch_parent
-    pid = os.environ.pop(PARENT_PID_ENV, None)
+    pid = envs.get(PARENT_PID_ENV)
+    os.environ.pop(PARENT_PID_ENV, None)    # not inherited by this process's own children
     if pid:
-        watch_parent(int(pid), lambda: setattr(server, "should_exit", True))
+        watch_parent(pid, lambda: setattr(server, "should_exit", True))
