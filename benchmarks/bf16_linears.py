@@ -13,7 +13,9 @@ import argparse
 import statistics
 import time
 
-from kvflow.model import cpu_ops, layers     # first: kvflow sets GOMP_SPINCOUNT before torch loads
+from kvflow import envs
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
+from kvflow.model import cpu_ops, layers  # noqa: E402
 
 import torch
 import torch.nn.functional as F

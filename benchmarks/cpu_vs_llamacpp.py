@@ -26,6 +26,8 @@ PROMPT = "The capital of France is"
 
 
 def worker_kvflow(path: str, threads: int, tokens: int) -> None:
+    from kvflow import envs
+    envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
     from kvflow import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(path, max_model_len=1024, num_threads=threads)

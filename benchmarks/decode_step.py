@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from kvflow import SamplingParams     # first: sets GOMP_SPINCOUNT before torch loads
-from kvflow.engine import EngineArgs, LLMEngine
+from kvflow import envs
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
+from kvflow import SamplingParams  # noqa: E402
+from kvflow.engine import EngineArgs, LLMEngine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

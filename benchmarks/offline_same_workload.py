@@ -5,7 +5,9 @@ import json
 import random
 import time
 
-from kvflow import LLM, SamplingParams
+from kvflow import envs
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
+from kvflow import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -30,6 +30,8 @@ QUESTIONS = [
 
 def run(args, quant: str) -> list[list[int]]:
     os.environ["KVFLOW_CPU_QUANT"] = quant
+    from kvflow import envs
+    envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
     from kvflow import LLM, SamplingParams
     kw = {"quantization": args.quantization} if args.quantization else {}
     llm = LLM(args.model, max_model_len=1024, num_threads=args.threads, **kw)

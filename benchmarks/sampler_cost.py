@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_info import cpu_line  # noqa: E402
 
+from kvflow import envs  # noqa: E402
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
 from kvflow import LLM, SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {

@@ -18,7 +18,9 @@ import statistics
 import time
 
 from cpu_info import cpu_line
-from kvflow import LLM, SamplingParams
+from kvflow import envs
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
+from kvflow import LLM, SamplingParams  # noqa: E402
 
 DOC_MODULES = ["textwrap", "heapq", "bisect", "fnmatch", "shlex", "string", "functools",
                "difflib"]

@@ -13,7 +13,9 @@ import argparse
 import statistics
 import time
 
-from kvflow import LLM, SamplingParams
+from kvflow import envs
+envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
+from kvflow import LLM, SamplingParams  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 16, "max_batch_tokens": 1 << 20}
 

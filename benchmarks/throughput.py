@@ -171,6 +171,8 @@ def _finish(spec: dict, res: dict, out_ids: list[list[int]], result_path: str) -
 
 
 def worker_kvflow(spec: dict, result_path: str) -> None:
+    from kvflow import envs
+    envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
     from kvflow import LLM, SamplingParams
     import kvflow
     import torch

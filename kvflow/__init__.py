@@ -1,11 +1,6 @@
 """kvflow: a readable LLM inference engine built around a vLLM V1-style scheduler."""
-import os
-
-# A short OpenMP spin: on shared cores a descheduled spinning thread stalls every small op
-# (BENCHMARKS.md, "Design choices measured"). Set before torch loads libgomp; the user's wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
-from kvflow.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+# Importing kvflow sets no environment: entry points call envs.set_process_defaults() instead.
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput",
            "SamplingParams", "StructuredOutputsParams"]

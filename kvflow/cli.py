@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from kvflow import envs
 from kvflow.engine.arg_utils import EngineArgs, engine_kwargs  # noqa: F401  (torch-free)
 
 
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before any command imports torch: libgomp reads GOMP_SPINCOUNT once, when it loads.
+    envs.set_process_defaults()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -20,12 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 
-# The engine core <-> TP executor <-> TP worker circle: removed by the executor seam (issue 25),
-# being written on another branch. Edges among these modules are ignored until it lands; delete
-# this set then.
-_BEING_REMOVED = {"kvflow.engine.core", "kvflow.engine.tp_executor", "kvflow.engine.tp_worker"}
-
-
 def module_names(root: Path) -> dict[str, Path]:
     """Dotted name -> file, for every module of the package at root (a package is its
     __init__.py)."""
@@ -150,20 +144,12 @@ def _circle_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 
 
 def test_no_module_imports_itself_back_through_others():
-    graph = {m: {t for t in ts if not (m in _BEING_REMOVED and t in _BEING_REMOVED)}
-             for m, ts in import_graph().items()}
+    graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(
         " -> ".join(circle) + (f"\n  (one of the circles among {', '.join(group)})"
                                if len(group) + 1 > len(circle) else "")
         for circle, group in cycles)
-
-
-def test_the_allowlist_holds_only_a_circle_that_still_exists():
-    graph = import_graph()
-    inside = {m: graph[m] & _BEING_REMOVED for m in _BEING_REMOVED if m in graph}
-    assert not _BEING_REMOVED or find_cycles(inside), \
-        "the engine circle is gone: delete _BEING_REMOVED from tests/test_import_cycles.py"
 
 
 def test_the_scan_counts_lazy_imports_and_parents_but_not_type_checking(tmp_path):

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from kvflow import envs
 from kvflow.core import SchedulerStats
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core_client import InprocClient, MPClient
@@ -93,7 +93,7 @@ def _deliver(items: list) -> None:
 
 
 def multiprocessing_enabled() -> bool:
-    return os.environ.get("KVFLOW_ENABLE_MULTIPROCESSING", "1") != "0"
+    return envs.KVFLOW_ENABLE_MULTIPROCESSING
 
 
 class AsyncLLM:

@@ -18,7 +18,7 @@ from kvflow.core import Request, RequestStatus, Scheduler, SchedulerConfig
 from kvflow.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.engine.executor import Executor
+from kvflow.engine.executor import Executor, UniProcExecutor
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
 from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
 from kvflow.model.loader import Checkpoint, open_checkpoint
@@ -44,7 +44,7 @@ class EngineCore:
             torch.set_num_threads(args.num_threads)
         ckpt = ckpt if ckpt is not None else open_checkpoint(args.model)
         # Load (and, under tensor parallelism, start the workers), size the KV cache, build.
-        self.model_executor = ex = Executor.get_class(args)(args, ckpt, device, backend)
+        self.model_executor = ex = _executor_class(args)(args, ckpt, device, backend)
         try:
             cfg, dtype = ex.model_config, ex.dtype
             self.model_config, self.dtype = cfg, dtype
@@ -256,6 +256,13 @@ class EngineCore:
         """Stop the executor's thread and the tensor-parallel workers, if any (they also stop
         when this process exits)."""
         self.model_executor.shutdown()
+
+
+def _executor_class(args: EngineArgs) -> type[Executor]:
+    if args.tensor_parallel_size > 1:
+        from kvflow.engine.tp_executor import TPExecutor     # torch.distributed: only if asked
+        return TPExecutor
+    return UniProcExecutor
 
 
 def _attach_logprobs(outs: list[EngineCoreOutput], out: ModelRunnerOutput) -> None:

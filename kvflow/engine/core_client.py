@@ -20,6 +20,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvflow import envs
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.messages import (AbortRequests, AddRequests, CoreOutput, EngineCoreOutputs,
                                     EngineCoreRequest, EngineDead, Ready, Shutdown, UtilityCall,
@@ -125,8 +126,8 @@ def _core_env() -> dict:
     """OpenMP threads that sleep rather than spin between parallel regions: spinning ones fight
     the frontend and the HTTP clients for the cores, and a preempted thread stalls every
     barrier of the step (BENCHMARKS.md, "Serving: the engine-core process"). A user's own
-    OMP_WAIT_POLICY wins."""
-    env = dict(os.environ)
+    OMP_WAIT_POLICY wins. Plus kvflow's process defaults (envs.set_process_defaults)."""
+    env = envs.set_process_defaults(dict(os.environ))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 

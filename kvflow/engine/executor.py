@@ -32,13 +32,6 @@ class Executor(ABC):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future | None = None
 
-    @staticmethod
-    def get_class(args: EngineArgs) -> type[Executor]:
-        if args.tensor_parallel_size > 1:
-            from kvflow.engine.tp_executor import TPExecutor
-            return TPExecutor
-        return UniProcExecutor
-
     @abstractmethod
     def initialize(self, scheduler_config: SchedulerConfig) -> None:
         """Build the runner(s) and their KV caches for this config."""

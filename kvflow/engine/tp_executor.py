@@ -90,6 +90,8 @@ def _spawn_worker(args: EngineArgs, rank: int, world: int, addr: str, port: int
                MASTER_ADDR=addr, MASTER_PORT=str(port))
     # Sleeping, not spinning, OpenMP threads: a worker waits in gloo between steps.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from kvflow import envs     # here, not at the top: keeps this change inside _spawn_worker
+    envs.set_process_defaults(env)
     return subprocess.Popen(
         [sys.executable, "-m", "kvflow.engine.tp_worker", str(os.getpid()),
          msgspec.json.encode(args).decode()], stdin=subprocess.DEVNULL, env=env)

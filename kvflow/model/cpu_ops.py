@@ -23,14 +23,19 @@ from pathlib import Path
 
 import torch
 
+from kvflow import envs
+
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "cpu_gemm.cpp",
             _CSRC / "cpu_quant.cpp", _CSRC / "cpu_bf16.cpp", _CSRC / "cpu_decode.cpp"]
 _HEADERS = [_CSRC / "cpu_common.h"]
-# KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
-_FLAGS = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH', 'native')}", "-fno-math-errno",
-          "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
 _state: dict = {}
+
+
+def _flags() -> list[str]:
+    # KVFLOW_CPU_MARCH picks another target than this machine (e.g. x86-64-v3 for AVX2 only).
+    return ["-O3", f"-march={envs.KVFLOW_CPU_MARCH}", "-fno-math-errno",
+            "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
 
 
 def _cpu_flags() -> str:
@@ -44,7 +49,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+    base = envs.KVFLOW_CACHE_DIR or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvflow")
     return Path(base)
 
@@ -53,7 +58,7 @@ def library_path() -> Path:
     h = hashlib.sha256()
     for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(_FLAGS + [torch.__version__, sys.version, _cpu_flags()]).encode())
+    h.update(" ".join(_flags() + [torch.__version__, sys.version, _cpu_flags()]).encode())
     return _cache_dir() / f"kvflow_cpu_ops-{h.hexdigest()[:16]}.so"
 
 
@@ -65,7 +70,7 @@ def build(out: Path) -> None:
     # Written under a temporary name and renamed: concurrent builders never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [cxx, *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
            *map(str, _SOURCES), "-o", tmp, f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10"]
     try:
@@ -107,7 +112,7 @@ def available() -> bool:
     if "ok" in _state:
         return _state["ok"]
     ok = False
-    if os.environ.get("KVFLOW_CPU_KERNELS", "1") != "0":
+    if envs.KVFLOW_CPU_KERNELS:
         try:
             path = library_path()
             if not path.exists():
@@ -125,7 +130,7 @@ def available() -> bool:
                           RuntimeWarning, stacklevel=2)
     _state["ok"] = ok
     if ok:      # outside the try: a bad value is an error, not a reason to drop every kernel
-        _state["bf16w_isa"] = set_bf16w_isa(os.environ.get("KVFLOW_CPU_BF16W_ISA", "auto"))
+        _state["bf16w_isa"] = set_bf16w_isa(envs.KVFLOW_CPU_BF16W_ISA)
     return ok
 
 

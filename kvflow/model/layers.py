@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import envs
 from kvflow.model.cpu_ops import ops
 from kvflow.model.quant_weights import quant_linear
 
 # Float32 CPU matmuls of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows go through kvflow's skinny_linear
-# kernel (csrc/cpu_gemm.cpp), which beats MKL there (BENCHMARKS.md); =0 forces torch's path.
-_SKINNY_GEMM = os.environ.get("KVFLOW_CPU_SKINNY_GEMM", "1") != "0"
+# kernel (csrc/cpu_gemm.cpp), which beats MKL there (BENCHMARKS.md); KVFLOW_CPU_SKINNY_GEMM=0
+# forces torch's path. A module constant: use_skinny runs for every linear of every step.
+_SKINNY_GEMM = envs.KVFLOW_CPU_SKINNY_GEMM
 SKINNY_MAX_ROWS = 12
 
 
@@ -74,14 +75,11 @@ def _linear_upcast(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None)
     return y.to(x.dtype)
 
 
-_PACK_ENV = "KVFLOW_CPU_BF16_PACK"
-
-
 def bf16_pack_supported() -> bool:
     """Whether bf16 Linear weights can be packed for oneDNN here: torch's own test (AVX512BW/VL/DQ
     or AVX-NE-CONVERT), confirmed by packing a tiny weight. KVFLOW_CPU_BF16_PACK=0 answers no on
     any CPU, so that tests reach the fallback wherever they run."""
-    return os.environ.get(_PACK_ENV, "1") != "0" and _cpu_can_pack_bf16()
+    return envs.KVFLOW_CPU_BF16_PACK and _cpu_can_pack_bf16()
 
 
 @functools.cache
@@ -96,14 +94,11 @@ def _cpu_can_pack_bf16() -> bool:
         return False
 
 
-_BF16W_ENV = "KVFLOW_CPU_BF16W"
-
-
 def bf16w_available() -> bool:
     """Whether bf16 weights that oneDNN cannot pack can stay bf16: kvflow's bf16w_linear kernel is
     built (cpu_ops). KVFLOW_CPU_BF16W=0 answers no, restoring the float32 weight copies (the
     benchmarks' old path)."""
-    if os.environ.get(_BF16W_ENV, "1") == "0":
+    if not envs.KVFLOW_CPU_BF16W:
         return False
     from kvflow.model import cpu_ops
     return cpu_ops.available()

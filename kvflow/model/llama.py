@@ -6,12 +6,12 @@ prefill chunk never pays for the LM head on tokens nobody samples.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from kvflow import envs
 from kvflow.model.attention import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
 from kvflow.model.cpu_ops import ops
@@ -19,8 +19,9 @@ from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinn
 from kvflow.model.parallel import TPGroup, local_config
 from kvflow.model.quant_weights import QuantTensor, attach, embed
 
-# 0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor skinny_linear)
-_LM_HEAD_WX = os.environ.get("KVFLOW_LM_HEAD_WX", "1") != "0"
+# KVFLOW_LM_HEAD_WX=0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor
+# skinny_linear). A module constant: _logits runs every step.
+_LM_HEAD_WX = envs.KVFLOW_LM_HEAD_WX
 _LM_HEAD_SKINNY_ROWS = 16
 
 
@@ -182,7 +183,7 @@ def fused_decode_args(model: LlamaForCausalLM) -> tuple | None:
     a step of decodes), or None where it does not apply: it runs only the ops of a CPU float32
     model whose every linear is one quantized part, without tensor parallelism."""
     # KVFLOW_CPU_FUSED_DECODE=0: layer by layer in Python even where decode_layers applies.
-    if os.environ.get("KVFLOW_CPU_FUSED_DECODE", "1") == "0" or model.tp is not None \
+    if not envs.KVFLOW_CPU_FUSED_DECODE or model.tp is not None \
             or not model.rotary.use_kernels:
         return None
     norms, linears, qk_norms = [], [], []

@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import pickle
 import socket
 
 import torch
 import torch.distributed as dist
 
+from kvflow import envs
 from kvflow.model.config import ModelConfig
 from kvflow.model.peer_sockets import PeerSockets
 
-# Seconds a compute collective waits for a slow or hung rank before it raises.
-_TIMEOUT_ENV = "KVFLOW_TP_TIMEOUT"
-_DEFAULT_TIMEOUT = 300
 # A worker waits on the control group for the next step while the engine is idle.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 # Step messages up to this size (a decode step of ~100 requests) take one broadcast.
@@ -205,7 +202,8 @@ def _host_toward(addr: str) -> str:
 
 
 def timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT)))
+    """How long a compute collective waits for a slow or hung rank (KVFLOW_TP_TIMEOUT)."""
+    return datetime.timedelta(seconds=envs.KVFLOW_TP_TIMEOUT)
 
 
 def init_distributed(rank: int, world_size: int, device: str, master_addr: str,
@@ -220,7 +218,7 @@ def init_distributed(rank: int, world_size: int, device: str, master_addr: str,
                             rank=rank, world_size=world_size, timeout=timeout())
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     peers = None
-    if device == "cpu" and os.environ.get("KVFLOW_TP_SOCKETS", "0") == "1":
+    if device == "cpu" and envs.KVFLOW_TP_SOCKETS:
         def all_gather(obj) -> list:
             out: list = [None] * world_size
             dist.all_gather_object(out, obj, group=control)

@@ -8,9 +8,9 @@ and torch.ops.kvflow.quant_dequantize(qweight, qtype, I) expands rows of it to f
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kvflow import envs
 
 # ggml type ids (gguf.GGMLQuantizationType values) plus kvflow's own int8 per-row format.
 Q4_0 = 2
@@ -24,7 +24,6 @@ KVFLOW_I8_PC = 1000     # row = float32 scale, then I int8 values; w = scale * q
 BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K",
          KVFLOW_I8_PC: "KVFLOW_I8_PC"}
-ISAS = ("auto", "avx2", "scalar")
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -42,10 +41,7 @@ def row_bytes(qtype: int, in_features: int) -> int:
 def set_isa_from_env() -> str:
     """Apply KVFLOW_CPU_QUANT_ISA (auto | avx2 | scalar; the kernels must be loaded) and return
     the ISA in use. "scalar" forces the portable path, so tests cover it on any CPU."""
-    isa = os.environ.get("KVFLOW_CPU_QUANT_ISA", "auto").strip().lower() or "auto"
-    if isa not in ISAS:
-        raise ValueError(f"KVFLOW_CPU_QUANT_ISA={isa!r}: expected one of {ISAS}")
-    torch.ops.kvflow.quant_set_isa(isa)
+    torch.ops.kvflow.quant_set_isa(envs.KVFLOW_CPU_QUANT_ISA)     # ValueError names a bad value
     return torch.ops.kvflow.quant_isa()
 
 

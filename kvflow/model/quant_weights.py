@@ -9,18 +9,16 @@ default model's weights are ~540 MB per token; as Q4_1/Q8_0 blocks they are ~85 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kvflow import envs
 from kvflow.model.cpu_ops import ops
 from kvflow.model.quant import KVFLOW_I8_PC, NAMES, Q4_1
 
 KERNEL_QTYPES = frozenset(NAMES)
-# KVFLOW_CPU_QUANT=0: dequantize GGUF weights to float32 at load, as before the kernels existed.
-_ENV = "KVFLOW_CPU_QUANT"
 
 
 @dataclass(slots=True)
@@ -42,8 +40,9 @@ def kernels_ready() -> bool:
 
 def keep_quantized(device: str, dtype: torch.dtype) -> bool:
     """Whether quantized weights run as stored: CPU, float32 activations, kernels built, and
-    not switched off (KVFLOW_CPU_QUANT=0 forces the float32 path on any CPU, for tests)."""
-    return (device == "cpu" and dtype == torch.float32 and os.environ.get(_ENV, "1") != "0"
+    not switched off (KVFLOW_CPU_QUANT=0 forces the float32 path on any CPU, for tests; it
+    dequantizes GGUF weights to float32 at load, as before the kernels existed)."""
+    return (device == "cpu" and dtype == torch.float32 and envs.KVFLOW_CPU_QUANT
             and kernels_ready())
 
 

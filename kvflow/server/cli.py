@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 
+from kvflow import envs
 from kvflow.server.http_common import PARENT_PID_ENV, add_http_args
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -101,6 +102,7 @@ def _exit_with_parent(server) -> None:
     """A replica of `kvflow serve --data-parallel-size N` shuts down when the router's process
     is gone, however it went (SIGKILL included): no orphan holds the port and the memory."""
     from kvflow.engine.parent_watch import watch_parent
-    pid = os.environ.pop(PARENT_PID_ENV, None)
+    pid = envs.get(PARENT_PID_ENV)
+    os.environ.pop(PARENT_PID_ENV, None)    # not inherited by this process's own children
     if pid:
-        watch_parent(int(pid), lambda: setattr(server, "should_exit", True))
+        watch_parent(pid, lambda: setattr(server, "should_exit", True))

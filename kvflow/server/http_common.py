@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import os
 from typing import TYPE_CHECKING
+
+from kvflow import envs
 
 if TYPE_CHECKING:
     from starlette.responses import JSONResponse
@@ -32,7 +33,7 @@ def add_http_args(p) -> None:
     """The flags `kvflow serve` and `kvflow router` share: address, auth, limits, timeouts."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+    p.add_argument("--api-key", default=envs.KVFLOW_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KVFLOW_API_KEY)")
     p.add_argument("--metrics-no-auth", action="store_true",

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from kvflow import envs
 from kvflow.server.http_common import PARENT_PID_ENV
 
 # Flags of the `serve` parser that are the front's, not the replicas'.
@@ -54,7 +55,7 @@ def _cores() -> int:
 
 
 def _spawn(argv: list[str], port: int, api_key: str | None) -> subprocess.Popen:
-    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    env = envs.set_process_defaults({**os.environ, PARENT_PID_ENV: str(os.getpid())})
     env.pop("KVFLOW_API_KEY", None)
     if api_key:
         env["KVFLOW_API_KEY"] = api_key        # not on the command line, where ps shows it

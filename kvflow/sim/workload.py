@@ -7,12 +7,13 @@ hits where the workload says requests share a prefix.
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from kvflow import envs
 
 ARRIVALS = ("trace", "poisson", "gamma", "scaled")
 
@@ -87,7 +88,7 @@ def _prefix(g: int, k: int) -> list[int]:
 # ---- sources of lengths -------------------------------------------------------------------
 def data_dir() -> Path:
     """$KVFLOW_DATA_DIR, or the traces shipped in the package (kvflow/sim/data)."""
-    env = os.environ.get("KVFLOW_DATA_DIR")
+    env = envs.KVFLOW_DATA_DIR
     if env:
         return Path(env)
     return Path(__file__).resolve().parent / "data"
