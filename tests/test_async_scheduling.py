@@ -236,3 +236,145 @@ def test_greedy_outputs_with_async_scheduling_equal_those_without(case):
         else:
             assert (toks, reason) == want[rid], (rid, config)
     assert all(r.num_output_placeholders == 0 for r in s.requests.values())
+
+
+# ---- real tiny models: async == sync through every path ---------------------------------------
+ENGINE = dict(dtype="float32", max_model_len=128, num_threads=1)
+CASES = {
+    "chunked prefill": dict(max_num_batched_tokens=16, long_prefill_token_threshold=8),
+    "preemption and prefix hits": dict(block_size=4, num_blocks=24, max_num_batched_tokens=32),
+    "priority preemption": dict(block_size=4, num_blocks=24, policy="priority"),
+}
+
+
+def _prompts() -> list[dict]:
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 500) for _ in range(12)]
+    return [{"prompt_token_ids": (prefix if i % 2 else []) +
+             [rng.randrange(3, 500) for _ in range(rng.randrange(2, 30))]} for i in range(10)]
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy with logprobs, greedy with a stop token, and seeded sampling with penalties."""
+    return [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2,
+                           prompt_logprobs=1),
+            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[7, 11, 13, 17]),
+            SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True,
+                           presence_penalty=0.5)] * 4
+
+
+def _assert_idle(llm) -> None:
+    st = llm.llm_engine.engine_core.kv_state()
+    assert st["unfinished"] == 0 and st["runner_requests"] == 0 and st["grammars"] == 0
+    assert st["free_blocks"] == st["num_blocks"]
+    assert not llm.llm_engine.engine_core.batch_queue
+
+
+def _same(a, b) -> None:
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.outputs[0].finish_reason for o in a] == [o.outputs[0].finish_reason for o in b]
+    assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
+    for x, y in zip(a, b):      # batches differ, so float sums differ in their last bits
+        for d, e in zip(x.outputs[0].logprobs or (), y.outputs[0].logprobs or ()):
+            assert d.keys() == e.keys()
+            assert [e[t].logprob for t in d] == pytest.approx([d[t].logprob for t in d],
+                                                              abs=1e-4)
+        assert len(x.outputs[0].logprobs or ()) == len(y.outputs[0].logprobs or ())
+        assert len(x.prompt_logprobs or ()) == len(y.prompt_logprobs or ())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_outputs_with_async_scheduling_equal_those_without(tiny_llama, case):
+    prompts, params = _prompts(), _params()[:10]
+    runs = {}
+    for on in (False, True):
+        llm = LLM(tiny_llama, **ENGINE, **CASES[case], async_scheduling=on)
+        assert llm.llm_engine.scheduler_config.async_scheduling is on
+        runs[on] = llm.generate(prompts, params, use_tqdm=False)
+        runs[on, "stats"] = llm.llm_engine.scheduler.make_stats()
+        _assert_idle(llm)
+    _same(runs[False], runs[True])
+    if case.startswith("preemption"):     # the paths were taken
+        assert runs[True, "stats"].num_preemptions > 0
+        assert runs[True, "stats"].prefix_cache_hits > 0
+
+
+def test_stop_strings_and_aborts_with_async_scheduling_equal_those_without(tiny_llama):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llms = {on: LLM(tiny_llama, **ENGINE, async_scheduling=on) for on in (False, True)}
+    full = llms[False].generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[5:8]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    cut = {on: llm.generate(["Once upon a time"], sp, use_tqdm=False)
+           for on, llm in llms.items()}
+    _same(cut[False], cut[True])
+    assert cut[True][0].outputs[0].finish_reason == "stop"
+    done = {}
+    for on, llm in llms.items():      # an abort mid-run, its id reused at once
+        eng, done[on] = llm.llm_engine, {}
+        for i, p in enumerate(([7, 8, 9] * 5, [30, 31] * 9, [40] * 12)):
+            eng.add_request(f"a{i}", p, greedy)
+        step = 0
+        while eng.has_unfinished_requests():
+            if step == 3:
+                eng.abort_request("a1")
+                eng.add_request("a1", [50, 51, 52, 53], greedy)
+            step += 1
+            done[on].update({o.request_id: o.outputs[0].token_ids for o in eng.step()
+                             if o.finished})
+        _assert_idle(llm)
+    assert done[True] == done[False] and sorted(done[True]) == ["a0", "a1", "a2"]
+
+
+def test_structured_outputs_with_async_scheduling_equal_those_without(tiny_llama):
+    from kvflow import StructuredOutputsParams
+    sps = [SamplingParams(temperature=0, max_tokens=12,
+                          structured_outputs=StructuredOutputsParams(regex="[ab]{3,9}")),
+           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    outs = {}
+    for on in (False, True):
+        llm = LLM(tiny_llama, **ENGINE, async_scheduling=on)
+        outs[on] = llm.generate(["x y", "The cat", "1 2", "Hello"], sps * 2, use_tqdm=False)
+        _assert_idle(llm)
+    _same(outs[False], outs[True])
+    assert all(set(o.outputs[0].text) <= set("ab") for o in outs[True][::2])
+
+
+def test_a_request_whose_draw_fails_with_its_next_step_in_flight_fails_alone(tiny_llama):
+    llm = LLM(tiny_llama, **ENGINE, async_scheduling=True)
+    eng = llm.llm_engine
+    eng.add_request("bad", "Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=8))
+    eng.add_request("ok", "The cat", SamplingParams(temperature=0, max_tokens=8,
+                                                    ignore_eos=True))
+    eng.runner.generators["bad"] = "not a generator"
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    ok = finals["ok"].outputs[0]
+    assert ok.finish_reason == "length" and ok.token_ids == llm.generate(
+        ["The cat"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    _assert_idle(llm)
+
+
+def test_the_engine_core_process_with_async_scheduling_streams_the_same_tokens(tiny_llama):
+    import asyncio
+
+    from kvflow.engine.async_llm import AsyncLLM
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The cat sat on", "Once upon a time", "1 2 3 4", "Hello"]
+    ref = LLM(tiny_llama, **ENGINE).generate(prompts, sp, use_tqdm=False)
+    a = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, async_scheduling=True, **ENGINE),
+                                  multiprocess=True)
+    try:
+        async def main():
+            async def one(p):
+                return [o async for o in a.generate(p, sp)][-1]
+            return await asyncio.gather(*(one(p) for p in prompts))
+        _same(ref, asyncio.run(main()))
+        st = asyncio.run(a.call_utility("kv_state"))
+        assert st["unfinished"] == 0 and st["runner_requests"] == 0
+        assert st["free_blocks"] == st["num_blocks"]
+    finally:
+        a.shutdown()

@@ -58,7 +58,7 @@ class EngineCore:
         spec = self.scheduler_config.speculative_config
         self.proposer = NgramProposer(spec, self.scheduler_config.max_model_len) if spec else None
         # Async scheduling: the steps in flight, oldest first (at most two: one computing, one
-        # scheduled behind it), each with its SchedulerOutput and start time.
+        # scheduled behind it): [SchedulerOutput, Future, start time, ids finished since].
         self.batch_queue: collections.deque | None = (
             collections.deque() if self.scheduler_config.async_scheduling else None)
         self._errors: list[EngineCoreOutput] = []   # requests refused by add_request
@@ -102,8 +102,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
-        self.model_executor.release(request_ids)
-        self._release_grammars(request_ids)
+        self._finished(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._errors)
@@ -135,12 +134,18 @@ class EngineCore:
         if len(queue) < 2 and sched.has_unfinished_requests() and not (
                 queue and sched.num_structured_requests):
             so = sched.schedule()
-            queue.append((so, self.model_executor.execute_model(
-                so, self._grammar_bitmask(so), non_block=True), t0))
+            queue.append([so, self.model_executor.execute_model(
+                so, self._grammar_bitmask(so), non_block=True), t0, set()])
             scheduled = so.total_num_scheduled_tokens > 0
         if queue and (len(queue) == 2 or not scheduled):
-            so, future, start = queue.popleft()
-            return self._update(so, future.result(), outputs, start)
+            so, future, start, gone = queue.popleft()
+            out = future.result()
+            if gone:    # their tokens are not for a request that reuses the id since
+                out = ModelRunnerOutput.from_sampled(
+                    {r: t for r, t in out.sampled().items() if r not in gone},
+                    logprobs=out.logprobs, prompt_logprobs_dict=out.prompt_logprobs_dict,
+                    failed={r: f for r, f in out.failed.items() if r not in gone})
+            return self._update(so, out, outputs, start)
         return EngineCoreOutputs(outputs, sched.make_stats(), t0, time.monotonic())
 
     def _grammar_bitmask(self, so: SchedulerOutput):
@@ -167,8 +172,7 @@ class EngineCore:
             _attach_logprobs(outs, out)
         finished = [o.request_id for o in outs if o.finish_reason is not None]
         if finished:
-            self.model_executor.release(finished)
-            self._release_grammars(finished)
+            self._finished(finished)
         if self.proposer is not None:
             sched.update_draft_token_ids(self.proposer.propose(sched.running, len(sched.running)))
         outputs += outs
@@ -179,9 +183,16 @@ class EngineCore:
         """Finish one request with finish_reason "error" (blocks and generator freed); the
         others go on. is_input: the request's own input was at fault."""
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-        self.model_executor.release((rid,))
-        self._release_grammars((rid,))
+        self._finished((rid,))
         return EngineCoreOutput(rid, [], "error", error=error, error_is_input=is_input)
+
+    def _finished(self, request_ids) -> None:
+        """Let go of finished requests in the runner and the grammars; a step still in flight
+        that ran them drops their tokens (the id may come back as a new request before)."""
+        self.model_executor.release(request_ids)
+        self._release_grammars(request_ids)
+        for so, _, _, gone in self.batch_queue or ():
+            gone.update(r for r in request_ids if r in so.num_scheduled_tokens)
 
     # ---- structured outputs ---------------------------------------------------------------
     def _structured_outputs(self) -> StructuredOutputManager:
