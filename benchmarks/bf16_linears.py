@@ -1,5 +1,5 @@
 """The bf16 linear candidates on this CPU, one matmul at a time: which fallback to use where oneDNN
-cannot pack bf16 weights (kvflow/model/layers.py, prepare_linears).
+cannot pack bf16 weights (kvflow/model/models/layers.py, prepare_linears).
 
     python benchmarks/bf16_linears.py [THREADS] [--rows 64,256] [--kept-only]
 
@@ -13,7 +13,8 @@ import argparse
 import statistics
 import time
 
-from kvflow.model import cpu_ops, layers     # first: kvflow sets GOMP_SPINCOUNT before torch loads
+from kvflow.model.kernels import cpu_ops     # first: kvflow sets GOMP_SPINCOUNT before torch loads
+from kvflow.model.models import layers
 
 import torch
 import torch.nn.functional as F

@@ -14,7 +14,7 @@ import time
 from cpu_info import cpu_line
 
 from kvflow import LLM, SamplingParams
-from kvflow.model.gguf_loader import default_model_path
+from kvflow.model.loader.gguf_loader import default_model_path
 
 PROMPT = "The capital of France is"
 

@@ -105,7 +105,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None            # finish_reason "error": the message ...
     error_is_input: bool = False        # ... and whether the request's input caused it
     # Per new token / per prompt token after the first (sent once, with the first token):
-    # ([token, top ids...], [logprobs...], rank); see kvflow/model/logprobs.py.
+    # ([token, top ids...], [logprobs...], rank); see kvflow/model/sample/logprobs.py.
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 

@@ -26,7 +26,7 @@ import msgspec
 
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.tp_worker import torchrun_env
-from kvflow.model.parallel import TPGroup, check_tp_size, destroy, init_distributed
+from kvflow.model.distributed.parallel import TPGroup, check_tp_size, destroy, init_distributed
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.cpu_ops import ops
-from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
-from kvflow.model.parallel import TPGroup, local_config
-from kvflow.model.quant_weights import QuantTensor, attach, embed
+from kvflow.model.kernels.cpu_ops import ops
+from kvflow.model.models.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
+from kvflow.model.distributed.parallel import TPGroup, local_config
+from kvflow.model.quantization.quant_weights import QuantTensor, attach, embed
 
 # 0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor skinny_linear)
 _LM_HEAD_WX = os.environ.get("KVFLOW_LM_HEAD_WX", "1") != "0"
