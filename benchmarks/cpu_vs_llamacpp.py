@@ -156,7 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         sys.path.insert(0, os.path.dirname(HERE))
-        from kvflow.model.gguf_loader import default_model_path
+        from kvflow.model.loader.gguf_loader import default_model_path
         args.model = default_model_path()
     if args.worker:
         (worker_kvflow if args.worker == "kvflow" else worker_llama)(

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     a = ap.parse_args()
     if a.plain_bf16_linears:
-        from kvflow.model import layers
+        from kvflow.model.models import layers
         layers.prepare_linears = lambda linears, dtype, device: None
     if a.model is None:
         from make_bench_model import ensure_model

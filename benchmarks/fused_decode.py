@@ -16,7 +16,7 @@ from cpu_info import cpu_line
 from kvflow import envs
 envs.set_process_defaults()     # first: GOMP_SPINCOUNT must be set before torch loads
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.model.gguf_loader import default_model_path  # noqa: E402
+from kvflow.model.loader.gguf_loader import default_model_path  # noqa: E402
 
 PROMPT = "The capital of France is"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvflow.model.gguf_loader import default_model_path, load_gguf
+from kvflow.model.loader.gguf_loader import default_model_path, load_gguf
 
 
 def convert(gguf_path: str, out: Path, dtype: str) -> None:

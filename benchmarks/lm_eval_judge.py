@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_info import cpu_line  # noqa: E402
 from gguf_to_hf import convert  # noqa: E402
-from kvflow.model.gguf_loader import default_model_path  # noqa: E402
+from kvflow.model.loader.gguf_loader import default_model_path  # noqa: E402
 from kvflow.server.cli import DEFAULT_SERVED_NAME  # noqa: E402
 
 TASK_DIR = ROOT / "tests" / "data" / "lm_eval"

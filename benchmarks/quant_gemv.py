@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from cpu_info import cpu_line
 from skinny_gemm import medians
 
-from kvflow.model import cpu_ops, quant
+from kvflow.model.kernels import cpu_ops
+from kvflow.model.quantization import quant
 
 # name: (in_features, out_features)
 SHAPES = {"qkv": (576, 576 + 2 * 192), "o": (576, 576), "gate_up": (576, 2 * 1536),

@@ -97,7 +97,7 @@ def run(llm: LLM, sp: SamplingParams, n: int) -> tuple[float, float]:
 def grammar_hooks(core) -> list[tuple[object, str]]:
     """The grammar bitmask's fill (the core's manager, made now rather than at the first
     structured request) and its application (the runner module's function)."""
-    import kvflow.model.runner as runner_module
+    import kvflow.model.runner.model_runner as runner_module
     return [(core._structured_outputs(), "grammar_bitmask"),
             (runner_module, "apply_grammar_bitmask")]
 

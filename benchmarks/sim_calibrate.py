@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
           f"min of {a.passes} x {a.repeats} runs each) in {took:.0f} s; "
           f"load average {load0:.2f} -> {load1:.2f}; kvflow at {version}")
 
-    measured = {"runner": "kvflow.model.runner.ModelRunner.execute_model", "commit": version,
+    measured = {"runner": "kvflow.model.runner.model_runner.ModelRunner.execute_model",
+                "commit": version,
                 "dtype": dt,
                 "threads": torch.get_num_threads(), "passes": a.passes, "repeats": a.repeats,
                 "requests": a.requests, "max_num_batched_tokens": a.max_num_batched_tokens,

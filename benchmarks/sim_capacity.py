@@ -21,7 +21,7 @@ from pathlib import Path
 from kvflow.sim import CostModel, get_gpu, get_model, load_trace
 from kvflow.sim.hardware import num_gpu_blocks
 from kvflow.sim.plots import plot_capacity, plot_frontier
-from kvflow.sim.runner import default_slo_s
+from kvflow.sim.experiment import default_slo_s
 from kvflow.sim.sweeps import NANO, SweepSetup, Variant, find_capacity, frontier
 
 VARIANTS = [

@@ -36,7 +36,7 @@ def medians(fns: dict, calls: int) -> dict:
 
 
 def micro(rounds: int) -> None:
-    from kvflow.model import cpu_ops
+    from kvflow.model.kernels import cpu_ops
     assert cpu_ops.available(), "kvflow's CPU kernels are not built"
     print("| shape | T | F.linear | W @ x.T | skinny | F.linear / skinny |\n|---|---|---|---|---|---|")
     for name, (o, i) in SHAPES.items():

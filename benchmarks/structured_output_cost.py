@@ -25,9 +25,9 @@ from kvflow import SamplingParams  # noqa: E402
 from kvflow.core.outputs import SchedulerOutput  # noqa: E402
 from kvflow.engine.structured_output import StructuredOutputManager  # noqa: E402
 from kvflow.engine.tokenizer import Tokenizer  # noqa: E402
-from kvflow.model.checkpoint import default_model_path, open_checkpoint  # noqa: E402
-from kvflow.model.grammar import apply_grammar_bitmask  # noqa: E402
-from kvflow.model.sampler import Sampler  # noqa: E402
+from kvflow.model.loader.checkpoint import default_model_path, open_checkpoint  # noqa: E402
+from kvflow.model.sample.grammar import apply_grammar_bitmask  # noqa: E402
+from kvflow.model.sample.sampler import Sampler  # noqa: E402
 from kvflow.sampling_params import StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 def _allreduce_worker(rank: int, world: int, port: int, hidden: int, sizes: list[int],
                       out: dict) -> None:
-    from kvflow.model.parallel import init_distributed
+    from kvflow.model.distributed.parallel import init_distributed
     torch.set_num_threads(1)
     tp = init_distributed(rank, world, "cpu", "127.0.0.1", port)
     if rank == 0:

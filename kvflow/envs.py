@@ -45,7 +45,7 @@ def _seconds(value: str) -> float:
 
 
 SWITCHES: dict[str, Switch] = {
-    # Native CPU kernels (kvflow/model/cpu_ops.py, csrc/)
+    # Native CPU kernels (kvflow/model/kernels/)
     "KVFLOW_CPU_KERNELS": Switch(
         "1", _flag, "0: never build or load kvflow's native CPU kernels; the torch code paths run"),
     "KVFLOW_CPU_MARCH": Switch(
@@ -56,11 +56,11 @@ SWITCHES: dict[str, Switch] = {
                    "or `~/.cache/kvflow`)"),
     "KVFLOW_CPU_SKINNY_GEMM": Switch(
         "1", _flag, "0: float32 products of a few rows use torch's matmul, not kvflow's "
-                    "`skinny_linear` kernel (read when kvflow.model.layers is imported)"),
+                    "`skinny_linear` kernel (read when kvflow.model.models.layers is imported)"),
     "KVFLOW_LM_HEAD_WX": Switch(
         "1", _flag, "0: the LM head is always `x @ W.T`, never `W @ x.T` or `skinny_linear` for a "
-                    "few rows (read when kvflow.model.llama is imported)"),
-    # Quantized weights (kvflow/model/quant.py, quant_weights.py, llama.py)
+                    "few rows (read when kvflow.model.models.llama is imported)"),
+    # Quantized weights (kvflow/model/quantization/, models/llama.py)
     "KVFLOW_CPU_QUANT": Switch(
         "1", _flag, "0: quantized weights (GGUF blocks, `quantization=`) are dequantized to "
                     "float32 at load instead of run as stored"),
@@ -70,7 +70,7 @@ SWITCHES: dict[str, Switch] = {
     "KVFLOW_CPU_FUSED_DECODE": Switch(
         "1", _flag, "0: a quantized model's decode steps run layer by layer in Python, not as one "
                     "native `decode_layers` call"),
-    # bf16 weights (kvflow/model/layers.py, loader.py)
+    # bf16 weights (kvflow/model/models/layers.py, loader/model_loader.py)
     "KVFLOW_CPU_BF16_PACK": Switch(
         "1", _flag, "0: bf16 weights are never packed for oneDNN, as on a CPU that cannot "
                     "(tests reach the fallback on any CPU)"),
@@ -80,7 +80,7 @@ SWITCHES: dict[str, Switch] = {
     "KVFLOW_CPU_BF16W_ISA": Switch(
         "auto", _choice("auto", "avx2", "scalar"),
         "`bf16w_linear`'s few-row kernel: `auto`, `avx2` or `scalar` (the portable one)"),
-    # Tensor parallelism (kvflow/model/parallel.py)
+    # Tensor parallelism (kvflow/model/distributed/parallel.py)
     "KVFLOW_TP_SOCKETS": Switch(
         "0", _flag, "1: on CPU, the small all-reduces go over direct sockets between the ranks "
                     "instead of gloo"),

@@ -1,4 +1,4 @@
-"""How a bf16 CPU model runs its nn.Linear layers (kvflow/model/layers.py, prepare_linears).
+"""How a bf16 CPU model runs its nn.Linear layers (kvflow/model/models/layers.py, prepare_linears).
 
 Where oneDNN can take bf16 weights (AVX512BW/VL/DQ or AVX-NE-CONVERT), each weight is packed once
 and the plain copy dropped; elsewhere (e.g. AVX2-only CPUs, where packing raises) the weights are
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
-from kvflow.model import layers
+from kvflow.model.models import layers
 
 CAN_PACK = layers._cpu_can_pack_bf16()
 NO_PACK_REASON = ("this CPU cannot pack bf16 weights for oneDNN (needs AVX512BW+VL+DQ or "

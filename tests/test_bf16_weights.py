@@ -1,4 +1,4 @@
-"""bf16 weights kept bf16 on CPUs that cannot pack them (kvflow/model/csrc/cpu_bf16.cpp,
+"""bf16 weights kept bf16 on CPUs that cannot pack them (kvflow/model/kernels/csrc/cpu_bf16.cpp,
 layers.prepare_linears / keep_bf16_weights, loader.keeps_bf16_weights).
 
 bf16w_linear widens each bf16 weight to float32 in registers (exact) and sums in float32, so it
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.model import cpu_ops
+from kvflow.model.kernels import cpu_ops
 from model_fixtures import hf_greedy, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="kvflow CPU kernels not built")

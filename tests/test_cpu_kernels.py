@@ -1,4 +1,4 @@
-"""kvflow's native CPU kernels (kvflow/model/csrc/cpu_kernels.cpp) against plain torch.
+"""kvflow's native CPU kernels (kvflow/model/kernels/csrc/cpu_kernels.cpp) against plain torch.
 
 The kernels are built with the machine's C++ compiler; where there is one, a build failure fails
 these tests (no silent fallback). Tolerances: float32 agrees to ~1e-6 (only summation order
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
-from kvflow.model import cpu_ops
+from kvflow.model.kernels import cpu_ops
 from model_fixtures import hf_greedy
 
 if shutil.which("g++") is None and shutil.which("c++") is None:
@@ -127,7 +127,7 @@ def test_engine_with_and_without_kernels_matches_hf(tiny_qwen3, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 40])      # vectorised halves, and a scalar tail
 def test_rotary_matches_the_torch_path(dtype, head_dim):
-    from kvflow.model.layers import RotaryEmbedding
+    from kvflow.model.models.layers import RotaryEmbedding
     rope = RotaryEmbedding(head_dim, 10000.0, None, max_len=300)
     rope.build(dtype)
     g = torch.Generator().manual_seed(4)
@@ -196,7 +196,7 @@ def test_torch_backend_step_of_decodes_fresh_prompts_and_continued_chunks(use_ke
     """One step mixing decodes, runs of whole prompts and chunks continuing a cached prefix:
     each request's output equals causal attention over its whole context, read back from the
     cache after the step's writes."""
-    from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend
+    from kvflow.model.attention.backend import AttentionMetadata, TorchAttentionBackend
     g = torch.Generator().manual_seed(2)
     nb, bs, kvh, h, d = 40, 4, 2, 6, 64
     q_lens, seq_lens, runs = layout
@@ -326,7 +326,7 @@ def _marked_linear(I, O, bias):
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_linear_routing_equals_f_linear(flag, monkeypatch):
-    from kvflow.model import layers
+    from kvflow.model.models import layers
     monkeypatch.setattr(layers, "_SKINNY_GEMM", flag)
     m = _marked_linear(77, 130, bias=True)
     with torch.no_grad():
@@ -345,7 +345,7 @@ def test_skinny_env_switch_forces_the_torch_path():
     import subprocess
     import sys
     code = ("import torch, torch.nn.functional as F\n"
-            "from kvflow.model import layers\n"
+            "from kvflow.model.models import layers\n"
             "assert layers._SKINNY_GEMM is False\n"
             "assert not layers.use_skinny(torch.zeros(3, 8), True, 8)\n"
             "m = torch.nn.Linear(77, 130); m.__dict__['skinny'] = True\n"
@@ -364,7 +364,8 @@ def test_every_lm_head_path_equals_x_times_w_transposed(wx, skinny, monkeypatch)
     small batches), x @ W.T (KVFLOW_LM_HEAD_WX=0): the same logits whichever runs."""
     from types import SimpleNamespace
 
-    from kvflow.model import cpu_ops, llama
+    from kvflow.model.kernels import cpu_ops
+    from kvflow.model.models import llama
     monkeypatch.setattr(llama, "_LM_HEAD_WX", wx)
     w = torch.randn(300, 64)
     head = SimpleNamespace(skinny=skinny and cpu_ops.available(), lm_weight=lambda: w)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.model.gguf_loader import default_model_path
+from kvflow.model.loader.gguf_loader import default_model_path
 
 try:
     default_model_path()

@@ -11,8 +11,8 @@ import torch
 
 from kvflow.cli import build_parser, engine_kwargs
 from kvflow.engine.llm_engine import EngineArgs
-from kvflow.model import backends
-from kvflow.model.loader import resolve_dtype
+from kvflow.model.attention import selector
+from kvflow.model.loader.model_loader import resolve_dtype
 
 
 @pytest.mark.parametrize("kw,name", [
@@ -40,21 +40,21 @@ def test_good_values_pass():
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="device='cuda'.*is_available"):
         EngineArgs(device="cuda")
-    assert backends.resolve_device("auto") == "cpu"
+    assert selector.resolve_device("auto") == "cpu"
 
 
 def test_triton_not_installed_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(backends, "triton_installed", lambda: False)
+    monkeypatch.setattr(selector, "triton_installed", lambda: False)
     with pytest.raises(ValueError, match="attention_backend='triton'.*not installed"):
         EngineArgs(attention_backend="triton")
     EngineArgs(attention_backend="auto")        # auto never needs triton on cpu
 
 
 def test_backend_resolution():
-    assert backends.resolve_attention_backend("auto", "cpu") == "torch"
-    assert backends.resolve_attention_backend("auto", "cuda") == "triton"
+    assert selector.resolve_attention_backend("auto", "cpu") == "torch"
+    assert selector.resolve_attention_backend("auto", "cuda") == "triton"
     with pytest.raises(ValueError, match="attention_backend='torch' runs on CPU only"):
-        backends.resolve_attention_backend("torch", "cuda")
+        selector.resolve_attention_backend("torch", "cuda")
 
 
 def test_auto_dtype_is_bf16_on_gpu_unless_the_checkpoint_is_fp16():
@@ -68,7 +68,7 @@ def test_auto_dtype_is_bf16_on_gpu_unless_the_checkpoint_is_fp16():
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from kvflow.model.backends import make_backend\n"
+    code = ("from kvflow.model.attention.selector import make_backend\n"
             "try:\n    make_backend('triton', 'cpu')\n"
             "except ValueError as e:\n    print(e)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -91,8 +91,8 @@ def test_cli_flags_reach_engine_args():
 def test_the_cpu_path_never_imports_triton():
     code = ("import sys\n"
             "from kvflow import LLM, EngineArgs\n"
-            "import kvflow.engine.llm_engine, kvflow.model.runner, kvflow.cli\n"
-            "from kvflow.model.backends import make_backend, resolve_attention_backend\n"
+            "import kvflow.engine.llm_engine, kvflow.model.runner.model_runner, kvflow.cli\n"
+            "from kvflow.model.attention.selector import make_backend, resolve_attention_backend\n"
             "EngineArgs(device='auto')\n"
             "make_backend(resolve_attention_backend('auto', 'cpu'), 'cpu')\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n")
@@ -102,7 +102,7 @@ def test_the_cpu_path_never_imports_triton():
 def gpu_style_sampler(seed):
     """The sampler as a CUDA runner makes it (batch_noise: the GPU's way of drawing the noise),
     on CPU tensors."""
-    from kvflow.model.sampler import Sampler
+    from kvflow.model.sample.sampler import Sampler
     return Sampler(seed, "cpu", batch_noise=True)
 
 
@@ -110,7 +110,7 @@ def test_gpu_style_sampling_draws_what_the_cpu_draws_for_seeded_and_greedy_rows(
     """Run on CPU tensors: seeded rows use the request's own CPU generator on both paths, so the
     tokens are identical; greedy rows are the argmax."""
     from kvflow import SamplingParams
-    from kvflow.model.sampler import Sampler
+    from kvflow.model.sample.sampler import Sampler
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
               SamplingParams(temperature=1.0, top_k=5, seed=2),
@@ -129,7 +129,7 @@ def test_gpu_style_sampling_draws_what_the_cpu_draws_for_seeded_and_greedy_rows(
 
 def test_a_tensor_on_cuda_is_on_cuda0_when_device_0_is_current(monkeypatch):
     """upload() must not re-pin a tensor already on the GPU because "cuda" != "cuda:0"."""
-    from kvflow.model.h2d import same_device
+    from kvflow.model.runner.h2d import same_device
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
     assert same_device(cuda0, cuda) and same_device(cuda, cuda0) and same_device(cuda, cuda)
@@ -141,7 +141,7 @@ def test_gpu_style_sampling_never_draws_a_token_banned_below_min_tokens():
     """On CPU tensors: GPU-style sampling masks banned tokens like the CPU's, on the all-greedy
     argmax path and the sampling path, and draws the same tokens."""
     from kvflow import SamplingParams
-    from kvflow.model.sampler import Sampler
+    from kvflow.model.sample.sampler import Sampler
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
     logits[:, 7] += 100                           # token 7 wins every row unless banned
     banned = [[7, 9], None, [7], [7], None, [7, 250]]
@@ -162,8 +162,8 @@ def test_gpu_style_sampling_never_draws_a_token_banned_below_min_tokens():
 
 def test_one_step_for_both_devices():
     """The CUDA runner overrides device hooks only: the step and its sampling are ModelRunner's."""
-    from kvflow.model.cuda_runner import CudaModelRunner
-    from kvflow.model.runner import ModelRunner
+    from kvflow.model.runner.cuda_model_runner import CudaModelRunner
+    from kvflow.model.runner.model_runner import ModelRunner
     for name in ("execute_model", "sample", "gather_inputs", "update_states", "release",
                  "fail", "check_sampling_params"):
         assert getattr(CudaModelRunner, name) is getattr(ModelRunner, name), name

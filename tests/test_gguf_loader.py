@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from kvflow.model.gguf_loader import _bytes_to_unicode, default_model_path, load_gguf
+from kvflow.model.loader.gguf_loader import _bytes_to_unicode, default_model_path, load_gguf
 
 # ---------------------------------------------------------------- synthetic files
 
@@ -237,7 +237,7 @@ def test_default_model_path_error_names_pip_command(monkeypatch):
 def _assert_same_as_gguf_reader(path) -> None:
     from gguf import GGUFReader
 
-    from kvflow.model.gguf_reader import GGUFFile
+    from kvflow.model.loader.gguf_reader import GGUFFile
     ref, ours = GGUFReader(str(path)), GGUFFile(path)
     fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
     assert fields == ours.fields
@@ -260,7 +260,7 @@ def test_reader_matches_gguf_package_on_smollm2():
 
 
 def test_reader_rejects_a_file_that_is_not_gguf(tmp_path):
-    from kvflow.model.gguf_reader import GGUFFile
+    from kvflow.model.loader.gguf_reader import GGUFFile
     p = tmp_path / "x.gguf"
     p.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):

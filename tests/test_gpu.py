@@ -33,7 +33,7 @@ def _free_gpu_memory():
 
 
 def ops():
-    from kvflow.model import triton_attention
+    from kvflow.model.attention import triton_attention
     assert not triton_attention.INTERPRETED, "TRITON_INTERPRET is set: these tests need the GPU"
     return triton_attention
 

@@ -19,7 +19,8 @@ def test_the_engine_core_messages_do_not_import_torch():
 def test_the_serving_frontend_does_not_import_torch():
     """`kvflow serve`'s own process (HTTP, tokenizer, detokenizer) leaves torch to the engine
     core's process: it starts faster and holds no second copy of torch."""
-    code = ("import sys, kvflow.server.api_server, kvflow.engine.async_llm, kvflow.model.checkpoint; "
+    code = ("import sys, kvflow.server.api_server, kvflow.engine.async_llm, "
+            "kvflow.model.loader.checkpoint; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -35,8 +36,8 @@ def test_the_model_runner_never_imports_the_schedulers_requests():
     core could run in another process."""
     import ast
     from pathlib import Path
-    root = Path(__file__).parent.parent / "kvflow" / "model"
-    for name in ("runner.py", "cuda_runner.py", "cuda_graphs.py"):
+    root = Path(__file__).parent.parent / "kvflow" / "model" / "runner"
+    for name in ("model_runner.py", "cuda_model_runner.py", "cuda_graphs.py"):
         tree = ast.parse((root / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow import LLM, SamplingParams
-from kvflow.model.logits_processors import TokenCounts, bad_word_bans, static_bias
+from kvflow.model.sample.logits_processors import TokenCounts, bad_word_bans, static_bias
 from model_fixtures import hf_logits
 from server_helpers import running_server
 

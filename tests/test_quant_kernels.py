@@ -1,5 +1,5 @@
-"""kvflow's quantized-weight CPU kernels (csrc/cpu_quant.cpp, kvflow/model/quant.py) against gguf's
-own dequantization.
+"""kvflow's quantized-weight CPU kernels (csrc/cpu_quant.cpp, kvflow/model/quantization/quant.py)
+against gguf's own dequantization.
 
 The reference is gguf.quants.dequantize of the same bytes, multiplied in float64. Tolerance: the
 few-token path quantizes each block of 32 activations to int16 with step d = max|x_b| / 32767, so
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.model import cpu_ops, quant
+from kvflow.model.kernels import cpu_ops
+from kvflow.model.quantization import quant
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -260,7 +261,7 @@ def test_env_switch_selects_isa(monkeypatch):
 def test_env_switch_applies_when_the_kernels_load():
     """cpu_ops.available() applies KVFLOW_CPU_QUANT_ISA itself: a CI job forces the scalar path
     for a whole run by the environment alone."""
-    code = ("import torch; from kvflow.model import cpu_ops; assert cpu_ops.available(); "
+    code = ("import torch; from kvflow.model.kernels import cpu_ops; assert cpu_ops.available(); "
             "print(torch.ops.kvflow.quant_isa())")
     env = dict(os.environ, KVFLOW_CPU_QUANT_ISA="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

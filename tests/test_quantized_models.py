@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.model.gguf_loader import load_gguf
-from kvflow.model.quant_weights import KVFLOW_I8_PC, Q4_1, QuantTensor, kernels_ready
+from kvflow.model.loader.gguf_loader import load_gguf
+from kvflow.model.quantization.quant_weights import KVFLOW_I8_PC, Q4_1, QuantTensor, kernels_ready
 from test_gguf_loader import _write_tiny
 
 needs_kernels = pytest.mark.skipif(not kernels_ready(), reason="kvflow's CPU kernels did not build")
@@ -34,7 +34,7 @@ def test_gguf_quantized_tensors_are_the_float_tensors_blocks(tmp_path):
     floats = dict(ck.tensors())
     quant = {n: w for n, w in ck.quantized_tensors() if isinstance(w, QuantTensor)}
     assert list(quant) == ["model.layers.0.self_attn.k_proj.weight"]       # the Q8_0 one
-    from kvflow.model.quant_weights import _dequantize_reference
+    from kvflow.model.quantization.quant_weights import _dequantize_reference
     for name, q in quant.items():
         assert torch.equal(_dequantize_reference(q), floats[name])
 
@@ -77,7 +77,7 @@ def test_quantized_model_holds_blocks_not_float_weights(tiny_llama, monkeypatch)
 def test_quantization_is_refused_for_a_gguf_and_unknown_methods(tmp_path):
     with pytest.raises(ValueError, match="quantization"):
         LLM(None, quantization="int4")
-    from kvflow.model.gguf_loader import default_model_path
+    from kvflow.model.loader.gguf_loader import default_model_path
     try:
         path = default_model_path()
     except RuntimeError:
@@ -104,7 +104,7 @@ def test_quantized_greedy_output_is_the_same_alone_and_in_a_batch(tiny_llama, mo
 def test_quant_linear_runs_under_inference_mode(t):
     """The engine runs under torch.inference_mode; the tiled path updates its output in place
     on the thread pool, whose threads must not see an inference tensor as a normal one."""
-    from kvflow.model.quant import quantize_int8_pc
+    from kvflow.model.quantization.quant import quantize_int8_pc
     w = torch.randn(96, 64)
     q = quantize_int8_pc(w)
     with torch.inference_mode():
@@ -120,9 +120,9 @@ def test_a_fused_linear_may_mix_quantized_types(t):
     parts of a fused qkv_proj then differ, and each runs with its own type, in row order."""
     from torch import nn
 
-    from kvflow.model.layers import linear
-    from kvflow.model.quant import quantize_int8_pc, quantize_q4_1
-    from kvflow.model.quant_weights import attach
+    from kvflow.model.models.layers import linear
+    from kvflow.model.quantization.quant import quantize_int8_pc, quantize_q4_1
+    from kvflow.model.quantization.quant_weights import attach
     g = torch.Generator().manual_seed(0)
     w1, w2 = torch.randn(40, 64, generator=g), torch.randn(24, 64, generator=g)
     parts = [QuantTensor(quantize_q4_1(w1), Q4_1, (40, 64)),
@@ -166,7 +166,7 @@ def test_decode_steps_in_one_call_give_the_layer_by_layer_tokens_and_logprobs(
     ops in their order: bit for bit the same logprobs (Qwen2's qkv bias and Qwen3's q/k norms
     included), in a batch whose steps mix prefills and decodes; a float32 model stays in
     Python."""
-    from kvflow.model import cpu_ops
+    from kvflow.model.kernels import cpu_ops
     path = request.getfixturevalue(ckpt)
     monkeypatch.setenv("KVFLOW_CPU_QUANT", "1")
     real, calls = torch.ops.kvflow.decode_layers.default, []

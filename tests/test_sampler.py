@@ -1,10 +1,10 @@
-"""kvflow.model.sampler.Sampler on hand-made logits (no model): greedy, temperature, top-k, top-p,
-the sampled distribution, per-request seeds and batch-composition independence."""
+"""kvflow.model.sample.sampler.Sampler on hand-made logits (no model): greedy, temperature, top-k,
+top-p, the sampled distribution, per-request seeds and batch-composition independence."""
 import pytest
 import torch
 
 from kvflow import SamplingParams
-from kvflow.model.sampler import Sampler
+from kvflow.model.sample.sampler import Sampler
 
 V = 8
 # Distinct values, not sorted, so that a sort/scatter mix-up shows.

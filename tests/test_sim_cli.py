@@ -82,7 +82,7 @@ def test_the_simulator_does_not_import_torch():
     import sys
     from pathlib import Path
     root = str(Path(__file__).parent.parent)
-    code = ("import sys, kvflow.sim.cli, kvflow.sim.runner, kvflow.sim.plots, "
+    code = ("import sys, kvflow.sim.cli, kvflow.sim.experiment, kvflow.sim.plots, "
             "kvflow.sim.calibrate; assert 'torch' not in sys.modules, 'torch imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": root}, timeout=120)

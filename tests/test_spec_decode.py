@@ -11,7 +11,7 @@ from kvflow.core.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.model.sampler import Sampler
+from kvflow.model.sample.sampler import Sampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}

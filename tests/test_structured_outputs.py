@@ -17,7 +17,7 @@ import torch
 from helpers import make_sched, req
 from kvflow import LLM, SamplingParams
 from kvflow.engine.messages import EngineCoreRequest
-from kvflow.model.grammar import apply_grammar_bitmask
+from kvflow.model.sample.grammar import apply_grammar_bitmask
 from kvflow import StructuredOutputsParams as SO
 from server_helpers import running_server, wait_idle
 

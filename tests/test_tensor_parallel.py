@@ -158,7 +158,7 @@ def test_peer_sockets_sum_in_rank_order_on_every_rank():
     bf16; a tensor of exactly the limit's size."""
     import torch
 
-    from kvflow.model.peer_sockets import PeerSockets
+    from kvflow.model.distributed.peer_sockets import PeerSockets
     n, barrier, board = 3, threading.Barrier(3), [None] * 3
 
     def all_gather(rank, obj):
@@ -244,7 +244,7 @@ def test_a_worker_that_fails_to_load_fails_the_engine_start(tiny_llama, tmp_path
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import kvflow.model.loader as loader\n"
+        "    import kvflow.model.loader.model_loader as loader\n"
         "    def fail(*a, **k):\n"
         "        raise RuntimeError('cannot load')\n"
         "    loader.build_model = fail\n")
@@ -339,7 +339,7 @@ def test_a_worker_crash_under_the_server_is_engine_dead(tiny_llama):
 def test_the_default_gguf_model_runs_on_2_ranks_unevenly_split(monkeypatch):
     """SmolLM2-135M: 9 q heads and 3 KV heads split 1 + 2 KV heads on 2 ranks; its GGUF blocks
     are dequantized under TP, so the reference is TP=1 on the dequantized weights."""
-    from kvflow.model.gguf_loader import default_model_path
+    from kvflow.model.loader.gguf_loader import default_model_path
     try:
         default_model_path()
     except RuntimeError:

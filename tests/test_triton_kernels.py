@@ -34,9 +34,9 @@ except ImportError:         # skipped, as importorskip would, leaving the enviro
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.engine import EngineArgs, LLMEngine  # noqa: E402
-from kvflow.model import triton_attention as ops  # noqa: E402
-from kvflow.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from kvflow.model.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvflow.model.attention import triton_attention as ops  # noqa: E402
+from kvflow.model.attention.backend import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from kvflow.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from attention_ref import D, make_cache, ref_attention, shuffled_tables  # noqa: E402
 from model_fixtures import hf_greedy  # noqa: E402
 
@@ -254,8 +254,8 @@ class _EagerGraph:
 
 def test_cuda_runner_logic_on_cpu_with_eager_graphs(tiny_llama, monkeypatch):
     """The CUDA runner's own code (graph padding, static buffers, the sampler), minus the GPU."""
-    from kvflow.model.cuda_graphs import DecodeGraphs, capture_sizes
-    from kvflow.model.cuda_runner import CudaModelRunner
+    from kvflow.model.runner.cuda_graphs import DecodeGraphs, capture_sizes
+    from kvflow.model.runner.cuda_model_runner import CudaModelRunner
     def eager_capture(fn, pool):
         return (graph := _EagerGraph(fn, fn())), graph.out
 
@@ -281,7 +281,7 @@ def test_cuda_runner_logic_on_cpu_with_eager_graphs(tiny_llama, monkeypatch):
 
 
 def test_cuda_graph_capture_sizes():
-    from kvflow.model.cuda_graphs import capture_sizes
+    from kvflow.model.runner.cuda_graphs import capture_sizes
     assert capture_sizes(1) == [1]
     assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
     assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]

@@ -127,5 +127,5 @@ def sample_requests(tokenizer, dataset: str, num_prompts: int, *, input_len: int
 def load_tokenizer(path: str | None):
     """kvflow's tokenizer for an HF directory or a .gguf (None: the embedded SmolLM2)."""
     from kvflow.engine.tokenizer import Tokenizer
-    from kvflow.model.loader import open_checkpoint
+    from kvflow.model.loader.model_loader import open_checkpoint
     return Tokenizer.from_checkpoint(open_checkpoint(path))

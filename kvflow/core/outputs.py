@@ -92,7 +92,7 @@ class SchedulerOutput:
 
 
 # A logprob entry: ([token, top ids...], [logprobs...], rank of the token); see
-# kvflow/model/logprobs.py. Plain lists, so that an output crosses any boundary as it is.
+# kvflow/model/sample/logprobs.py. Plain lists, so that an output crosses any boundary as it is.
 LogprobEntry = tuple[list[int], list[float], int]
 
 

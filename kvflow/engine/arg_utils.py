@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from kvflow.core.config import ASYNC_SPEC_ERROR, SpeculativeConfig
-from kvflow.model.backends import check_attention_backend, check_device
+from kvflow.model.attention.selector import check_attention_backend, check_device
 from kvflow.sampling_params import short_repr
 
 

@@ -36,7 +36,7 @@ from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.parallel_sampling import ParentRequests
 from kvflow.engine.processor import InputProcessor, OutputProcessor
 from kvflow.engine.tokenizer import Tokenizer
-from kvflow.model.checkpoint import open_checkpoint
+from kvflow.model.loader.checkpoint import open_checkpoint
 from kvflow.sampling_params import SamplingParams
 
 

@@ -20,10 +20,10 @@ from kvflow.core.spec_decode import NgramProposer
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.executor import Executor, UniProcExecutor
 from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
-from kvflow.model.backends import make_backend, resolve_attention_backend, resolve_device
-from kvflow.model.loader import Checkpoint, open_checkpoint
-from kvflow.model.parallel import max_kv_heads
-from kvflow.model.runner import ModelRunner, num_blocks_for_memory
+from kvflow.model.attention.selector import make_backend, resolve_attention_backend, resolve_device
+from kvflow.model.distributed.parallel import max_kv_heads
+from kvflow.model.loader.model_loader import Checkpoint, open_checkpoint
+from kvflow.model.runner.model_runner import ModelRunner, num_blocks_for_memory
 
 if TYPE_CHECKING:
     from kvflow.engine.structured_output import StructuredOutputManager
@@ -305,7 +305,7 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
         if mem is None and device == "cuda" and tp is not None:
             mem = _tp_cuda_kv_memory(args.gpu_memory_utilization)
         elif mem is None and device == "cuda":
-            from kvflow.model.cuda_runner import profile_kv_cache_memory
+            from kvflow.model.runner.cuda_model_runner import profile_kv_cache_memory
             mem = profile_kv_cache_memory(model, cfg, dtype, backend, args.block_size, budget,
                                           args.max_num_seqs, max_len, args.gpu_memory_utilization)
         elif mem is None:     # no more than the longest batch could ever hold

@@ -18,7 +18,7 @@ from kvflow.core.config import SchedulerConfig
 from kvflow.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.worker import load_model, make_model_runner
-from kvflow.model.runner import ModelRunner
+from kvflow.model.runner.model_runner import ModelRunner
 from kvflow.sampling_params import SamplingParams
 
 

@@ -10,7 +10,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvflow.model.checkpoint import Checkpoint
+from kvflow.model.loader.checkpoint import Checkpoint
 
 
 def _token_str(t) -> str | None:

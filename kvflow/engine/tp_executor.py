@@ -32,7 +32,7 @@ from kvflow.engine.tp_messages import ExecuteStep, InitWorkers, ShutdownWorkers
 from kvflow.engine.tp_worker import torchrun_env
 from kvflow.engine.worker import load_model, make_model_runner
 from kvflow.model.config import ModelConfig
-from kvflow.model.parallel import TPGroup, check_tp_size, destroy, init_distributed
+from kvflow.model.distributed.parallel import TPGroup, check_tp_size, destroy, init_distributed
 
 logger = logging.getLogger(__name__)
 

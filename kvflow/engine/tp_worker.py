@@ -46,8 +46,8 @@ def run_if_worker(args: EngineArgs) -> int | None:
 def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
     import torch
 
-    from kvflow.model.backends import resolve_device
-    from kvflow.model.parallel import destroy, init_distributed
+    from kvflow.model.attention.selector import resolve_device
+    from kvflow.model.distributed.parallel import destroy, init_distributed
     if parent_pid is not None:
         watch_parent(parent_pid, lambda: os._exit(1), "kvflow-tp-parent-watch")
     rank, world, addr, port, local = torchrun_env()
@@ -75,7 +75,7 @@ def run_worker(args: EngineArgs, parent_pid: int | None = None) -> int:
 
 def _build(args: EngineArgs, tp, device: str):
     from kvflow.engine.worker import load_model, make_model_runner
-    from kvflow.model.backends import make_backend, resolve_attention_backend
+    from kvflow.model.attention.selector import make_backend, resolve_attention_backend
     backend = make_backend(resolve_attention_backend(args.attention_backend, device), device)
     cfg, model, dtype = load_model(args, device, tp)
     init = tp.recv()        # rank 0 decides the KV cache's size (num_blocks)

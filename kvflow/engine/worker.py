@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from kvflow.core.config import SchedulerConfig
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.model.loader import Checkpoint, build_model, open_checkpoint
-from kvflow.model.runner import ModelRunner
+from kvflow.model.loader.model_loader import Checkpoint, build_model, open_checkpoint
+from kvflow.model.runner.model_runner import ModelRunner
 
 
 def load_model(args: EngineArgs, device: str, tp=None, ckpt: Checkpoint | None = None):
@@ -24,7 +24,7 @@ def make_model_runner(args: EngineArgs, model, cfg, dtype, backend, device: str,
     (under tensor parallelism, this rank's)."""
     kv_heads = getattr(model, "cfg", cfg).num_kv_heads
     if device == "cuda":
-        from kvflow.model.cuda_runner import CudaModelRunner
+        from kvflow.model.runner.cuda_model_runner import CudaModelRunner
         # No CUDA graphs under tensor parallelism: the NCCL collectives are not captured.
         eager = args.enforce_eager or getattr(model, "tp", None) is not None
         return CudaModelRunner(model, cfg, dtype, sc.block_size, sc.num_blocks, backend,

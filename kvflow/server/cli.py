@@ -68,7 +68,7 @@ def cmd_serve(args) -> int:
     from kvflow.server.http_server import make_server
     names = args.served_model_name or [served_name(model)]
     if model is None:
-        from kvflow.model.gguf_loader import default_model_path
+        from kvflow.model.loader.gguf_loader import default_model_path
         path = default_model_path()
     else:
         path = model

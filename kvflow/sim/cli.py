@@ -186,14 +186,14 @@ def _run_calibration(args, out: Path) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from kvflow.sim import runner
+    from kvflow.sim import experiment
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
         return _run_calibration(args, out)
     shape, gpu = get_model(args.model), get_gpu(args.gpu)
-    summary = runner.run(args, shape, gpu, _cost_model(args, shape, gpu), out)
-    print(runner.format_report(summary))
+    summary = experiment.run(args, shape, gpu, _cost_model(args, shape, gpu), out)
+    print(experiment.format_report(summary))
     print(f"wrote {out}/summary.json" + "".join(f", {f}" for f in summary["files"]))
     return 0
 

@@ -1,6 +1,6 @@
 // Paged decode attention for CPU: one query token per request, read straight from the paged KV
 // cache through the block table (no gathered copy of the context), GQA, bf16 or float32.
-// Built and loaded by kvflow/model/cpu_ops.py; TorchAttentionBackend's gather + SDPA is the
+// Built and loaded by kvflow/model/kernels/cpu_ops.py; TorchAttentionBackend's gather + SDPA is the
 // reference and the fallback.
 #include "cpu_common.h"
 

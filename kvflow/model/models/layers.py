@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import envs
-from kvflow.model.cpu_ops import ops
-from kvflow.model.quant_weights import quant_linear
+from kvflow.model.kernels.cpu_ops import ops
+from kvflow.model.quantization.quant_weights import quant_linear
 
 # Float32 CPU matmuls of SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows go through kvflow's skinny_linear
 # kernel (csrc/cpu_gemm.cpp), which beats MKL there (BENCHMARKS.md); KVFLOW_CPU_SKINNY_GEMM=0
@@ -22,7 +22,7 @@ SKINNY_MAX_ROWS = 12
 
 
 def _skinny_min_rows() -> int:
-    from kvflow.model.cpu_ops import _cpu_flags
+    from kvflow.model.kernels.cpu_ops import _cpu_flags
     # MKL's 2-4 row products are fast on AVX-512 CPUs (measured on a Xeon), not on AVX2 ones.
     return 5 if " avx512f" in _cpu_flags() else 2
 
@@ -100,7 +100,7 @@ def bf16w_available() -> bool:
     benchmarks' old path)."""
     if not envs.KVFLOW_CPU_BF16W:
         return False
-    from kvflow.model import cpu_ops
+    from kvflow.model.kernels import cpu_ops
     return cpu_ops.available()
 
 
@@ -182,7 +182,7 @@ def use_cpu_kernels(model: nn.Module, dtype: torch.dtype, device: str, enable: b
     for its LM head) for skinny_linear. Returns whether they are in use."""
     on = False
     if enable and device == "cpu" and dtype in (torch.bfloat16, torch.float32):
-        from kvflow.model import cpu_ops
+        from kvflow.model.kernels import cpu_ops
         on = cpu_ops.available()
     skinny = on and dtype == torch.float32
     model.__dict__["skinny"] = skinny

@@ -8,7 +8,7 @@ times; the kernel reads them once, straight through the block table. Everything 
 torch path when the kernels cannot be built (no compiler) or KVFLOW_CPU_KERNELS=0 is set.
 
 Built with -march=native for the machine it runs on, so the cache key includes the CPU's flags.
-`make install` builds it ahead of time (`python -m kvflow.model.cpu_ops`) so that no engine start
+`make install` builds it ahead of time (`python -m kvflow.model.kernels.cpu_ops`) so that no engine start
 pays the ~10 s compile.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def build(out: Path) -> None:
 def _apply_quant_isa() -> None:
     """KVFLOW_CPU_QUANT_ISA (auto | avx2 | scalar) picks quant_linear's code path; a bad value
     is reported, not fatal to the other kernels."""
-    from kvflow.model.quant import set_isa_from_env
+    from kvflow.model.quantization.quant import set_isa_from_env
     try:
         set_isa_from_env()
     except Exception as e:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from kvflow import envs
-from kvflow.model.cpu_ops import ops
-from kvflow.model.quant import KVFLOW_I8_PC, NAMES, Q4_1
+from kvflow.model.kernels.cpu_ops import ops
+from kvflow.model.quantization.quant import KVFLOW_I8_PC, NAMES, Q4_1
 
 KERNEL_QTYPES = frozenset(NAMES)
 
@@ -34,7 +34,7 @@ class QuantTensor:
 
 
 def kernels_ready() -> bool:
-    from kvflow.model import cpu_ops
+    from kvflow.model.kernels import cpu_ops
     return cpu_ops.available() and hasattr(torch.ops.kvflow, "quant_linear")
 
 
@@ -100,7 +100,7 @@ def quantize_weights(weights, method: str, run_quantized: bool):
     """(name, tensor) pairs of an HF checkpoint with its Linear and embedding weights quantized
     (QuantTensor). Without the kernels (run_quantized False: KVFLOW_CPU_QUANT=0, no compiler,
     CUDA) they come back dequantized: the same model, run in float32."""
-    from kvflow.model.quant import quantize_int8_pc, quantize_q4_1
+    from kvflow.model.quantization.quant import quantize_int8_pc, quantize_q4_1
     for name, w in weights:
         table = name.endswith(_TABLES)
         if w.dim() != 2 or w.shape[1] % 32 or not (table or any(

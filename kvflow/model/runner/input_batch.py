@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.core.outputs import NewRequestData
-from kvflow.model.logits_processors import bad_word_bans
+from kvflow.model.sample.logits_processors import bad_word_bans
 from kvflow.sampling_params import SamplingParams
 
 

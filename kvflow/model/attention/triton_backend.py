@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.attention import AttentionBackend, AttentionMetadata
-from kvflow.model.h2d import upload
+from kvflow.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvflow.model.runner.h2d import upload
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        from kvflow.model import triton_attention       # triton is an optional dependency
+        from kvflow.model.attention import triton_attention       # triton is an optional dependency
         self.ops = triton_attention
         self.device = torch.device(device)
         if self.device.type == "cpu" and not triton_attention.INTERPRETED:

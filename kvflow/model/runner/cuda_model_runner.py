@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.input_batch import StepInputs
-from kvflow.model.runner import ModelRunner
-from kvflow.model.sampler import Sampler
+from kvflow.model.runner.input_batch import StepInputs
+from kvflow.model.runner.model_runner import ModelRunner
+from kvflow.model.sample.sampler import Sampler
 
 _GIB = 1 << 30
 
@@ -30,7 +30,7 @@ class CudaModelRunner(ModelRunner):
         self.sampler = Sampler(seed, device, batch_noise=True)
         self.graphs = None
         if not enforce_eager:       # captured now: after the warm-up, with the KV cache in place
-            from kvflow.model.cuda_graphs import DecodeGraphs
+            from kvflow.model.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
     def _forward(self, st: StepInputs) -> torch.Tensor:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvflow.model.config import ModelConfig
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

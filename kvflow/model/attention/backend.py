@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvflow.model.cpu_ops import ops
+from kvflow.model.kernels.cpu_ops import ops
 
 
 @dataclass(slots=True)
@@ -65,7 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Decodes go to kvflow's native paged-decode kernel when it is built (cpu_ops.py): it
         # reads K/V through the block table instead of gathering a dense copy for SDPA.
         if use_kernels is None:
-            from kvflow.model import cpu_ops
+            from kvflow.model.kernels import cpu_ops
             use_kernels = cpu_ops.available()
         self.use_kernels = use_kernels
 

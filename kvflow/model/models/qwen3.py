@@ -3,7 +3,7 @@ no qkv bias, and a head_dim that need not be hidden_size / num_heads."""
 from __future__ import annotations
 
 from kvflow.model.config import ModelConfig
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -29,7 +29,7 @@ class Checkpoint:
 
 
 def default_model_path() -> str:
-    from kvflow.model.gguf_loader import default_model_path as p
+    from kvflow.model.loader.gguf_loader import default_model_path as p
     return p()
 
 
@@ -37,7 +37,7 @@ def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
     path = default_model_path() if path is None else os.fspath(path)
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        from kvflow.model.gguf_loader import load_gguf
+        from kvflow.model.loader.gguf_loader import load_gguf
         g = load_gguf(p)
         # Dequantised GGUF weights (fp16 scale x small int + offset) are exact in float32 and
         # would be rounded again in bf16; so "auto" means float32 here.

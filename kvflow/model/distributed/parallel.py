@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from kvflow import envs
 from kvflow.model.config import ModelConfig
-from kvflow.model.peer_sockets import PeerSockets
+from kvflow.model.distributed.peer_sockets import PeerSockets
 
 # A worker waits on the control group for the next step while the engine is idle.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -127,7 +127,7 @@ class TPGroup:
     def reduce_linear(self, x: torch.Tensor, m, residual: torch.Tensor | None) -> torch.Tensor:
         """residual + x @ W.T summed over the ranks (row-parallel W, no bias: o_proj and
         down_proj have none): the residual joins rank 0's partial sum only."""
-        from kvflow.model.layers import linear
+        from kvflow.model.models.layers import linear
         y = linear(x, m, residual if self.rank == 0 else None)
         return self.all_reduce(y)
 
@@ -141,7 +141,7 @@ class TPGroup:
     def embed(self, m, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows [rank * rows, (rank + 1) * rows), zeros for
         the other ids, summed over the ranks."""
-        from kvflow.model.quant_weights import embed
+        from kvflow.model.quantization.quant_weights import embed
         local = ids - self.rank * rows
         outside = (local < 0) | (local >= rows)
         h = embed(m, local.masked_fill(outside, 0))

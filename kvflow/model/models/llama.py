@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from kvflow import envs
-from kvflow.model.attention import AttentionBackend, AttentionMetadata
+from kvflow.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvflow.model.config import ModelConfig
-from kvflow.model.cpu_ops import ops
-from kvflow.model.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
-from kvflow.model.parallel import TPGroup, local_config
-from kvflow.model.quant_weights import QuantTensor, attach, embed
+from kvflow.model.kernels.cpu_ops import ops
+from kvflow.model.models.layers import MLP, RMSNorm, RotaryEmbedding, linear, use_skinny
+from kvflow.model.distributed.parallel import TPGroup, local_config
+from kvflow.model.quantization.quant_weights import QuantTensor, attach, embed
 
 # KVFLOW_LM_HEAD_WX=0: the LM head is always x @ W.T (the plain path, neither W @ x.T nor
 # skinny_linear). A module constant: _logits runs every step.

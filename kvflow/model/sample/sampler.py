@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.h2d import host, upload
+from kvflow.model.runner.h2d import host, upload
 from kvflow.sampling_params import SamplingParams
 
 
@@ -26,7 +26,7 @@ class Sampler:
         self.batch_noise = self.device.type != "cpu" if batch_noise is None else batch_noise
         self._argmax_rows = None
         if self.device.type == "cpu":
-            from kvflow.model import cpu_ops
+            from kvflow.model.kernels import cpu_ops
             # Greedy rows in one pass over the logits (cpu_layers.cpp), cheaper than torch's max.
             self._argmax_rows = cpu_ops.ops.argmax_rows if cpu_ops.available() else None
 

@@ -1,0 +1,1 @@
+"""Paged attention: the backend interface, the CPU and triton backends, choosing one."""

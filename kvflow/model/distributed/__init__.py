@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, weight sharding, collectives, and direct peer sockets."""

@@ -1,0 +1,1 @@
+"""Finding, opening and loading checkpoints: HF directories (safetensors) and GGUF files."""

@@ -1,0 +1,1 @@
+"""Quantized weights executed as stored: GGUF blocks, or HF weights quantized at load."""

@@ -1,0 +1,1 @@
+"""Executing a step: ModelRunner, CudaModelRunner, CUDA graphs, the step's inputs."""

@@ -1,0 +1,1 @@
+"""Logits to tokens: the sampler, logits processors, logprobs, the grammar bitmask."""
