@@ -215,3 +215,24 @@ def test_seeded_speculative_sampling_on_cuda_repeats(tiny_llama):
     b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert a == b and llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
     _no_leak(llm)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_async_scheduling_on_cuda_equals_sync_and_hf(tiny_llama, enforce_eager):
+    """Async scheduling is the CUDA default: steps run in the executor's thread (CUDA graphs
+    replayed there), output token-identical to sync steps and to HF."""
+    prompts = _prompts()
+    runs = {}
+    for on in (False, True):
+        llm = LLM(tiny_llama, device="cuda", dtype="float32", block_size=4,
+                  max_num_batched_tokens=16, max_num_seqs=8, enforce_eager=enforce_eager,
+                  num_blocks=NUM_BLOCKS, async_scheduling=on)
+        assert llm.llm_engine.scheduler_config.async_scheduling is on
+        runs[on], _ = _generate(llm, prompts)
+        _no_leak(llm)
+    assert runs[True] == runs[False] == hf_greedy(tiny_llama, prompts, MAX_NEW)
+
+
+def test_async_scheduling_is_the_cuda_default(tiny_llama):
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", num_blocks=NUM_BLOCKS)
+    assert llm.llm_engine.scheduler_config.async_scheduling

@@ -105,6 +105,12 @@ def test_tp2_greedy_tokens_equal_tp1_on_llama(tiny_llama):
     _tp_equals_tp1(tiny_llama)
 
 
+def test_tp2_with_async_scheduling_equals_tp1(tiny_llama):
+    """Rank 0 schedules step N+1 while the ranks run step N; the workers get N's tokens with
+    N+1's broadcast, as without it (and an aborted id reused at once gets none of N's)."""
+    _tp_equals_tp1(tiny_llama, async_scheduling=True)
+
+
 def test_tp2_greedy_tokens_equal_tp1_on_qwen2(tiny_qwen2):
     _tp_equals_tp1(tiny_qwen2)
 
