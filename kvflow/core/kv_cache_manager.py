@@ -117,10 +117,8 @@ class KVCacheManager:
         num_hits = len(new_computed_blocks)
         if not num_hits and num_need <= num_have * bs and not full_sequence:
             # Fast path (every decode step but one in block_size): no new block needed, and a
-            # block to cache only if this step's tokens cross a block boundary, or a block was
-            # left uncached for a token then in flight (async scheduling).
-            if self.enable_caching and (num_need // bs > num_computed // bs
-                                        or request.num_output_placeholders):
+            # block to cache only if this step's tokens cross a block boundary.
+            if self.enable_caching and num_need // bs > num_computed // bs:
                 self._cache_blocks(request, ids, min(num_need, len(request.all_token_ids)) // bs)
             return ids
         # Hits sitting in the free queue stop being free once taken: count them as allocations.
@@ -148,6 +146,15 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_blocks(request, ids, min(num_need, len(request.all_token_ids)) // bs)
         return ids
+
+    def cache_known_blocks(self, request: Request) -> None:
+        """Async scheduling: a block left uncached when it was scheduled, because a token of it
+        was still in flight, is cached once that token is known (its KV is written by a step
+        that runs before any step that could hit it)."""
+        ids = self.req_to_block_ids.get(request.request_id)
+        if self.enable_caching and ids:
+            num_known = min(request.num_computed_tokens, len(request.all_token_ids))
+            self._cache_blocks(request, ids, num_known // self.block_size)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so the LRU evicts tails first."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvflow.core.config import SchedulerConfig
+from kvflow.core.config import SchedulerConfig, check_new_request
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                  NewRequestData, SchedulerOutput, SchedulerStats,
@@ -122,16 +122,18 @@ class Scheduler:
         # it would only add steps. Drafts that do not fit are cut. A token still in flight
         # (async scheduling) counts as known: its position is scheduled on a placeholder.
         alone = len(running) == 1 and not self.waiting
+        async_ = self.async_scheduling
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
             num_tokens = len(req.all_token_ids)
-            in_flight = req.num_output_placeholders
-            if in_flight and len(req.output_token_ids) + in_flight >= req.max_tokens:
-                i += 1      # its last token is in flight already: no step past max_tokens
-                continue
-            n = num_tokens + len(req.spec_token_ids) + in_flight - computed
+            n = num_tokens + len(req.spec_token_ids) - computed
+            if async_ and (in_flight := req.num_output_placeholders):
+                if len(req.output_token_ids) + in_flight >= req.max_tokens:
+                    i += 1      # its last token is in flight already: no step past max_tokens
+                    continue
+                n += in_flight
             if 0 < threshold < n and not alone:
                 n = threshold
             if n > budget:
@@ -282,6 +284,7 @@ class Scheduler:
         requests = self.requests
         spec = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
+        async_ = self.async_scheduling
         outputs: list[EngineCoreOutput] = []
         num_finished = 0
         for rid in scheduler_output.num_scheduled_tokens:
@@ -296,13 +299,13 @@ class Scheduler:
             if running:
                 # With no token in flight, a prefill chunk short of the end sampled nothing
                 # (fake executors sample every row); with tokens in flight the runner decides.
-                if not req.num_output_placeholders and req.num_computed_tokens < len(all_ids):
+                if req.num_computed_tokens < len(all_ids) and not req.num_output_placeholders:
                     continue
             elif req.status != _PREEMPTED:
                 continue
-            if req.num_output_placeholders:
+            if async_ and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
-            drafts = spec.get(rid) if running else None
+            drafts = spec.get(rid) if spec and running else None
             if drafts:
                 num_rejected = len(drafts) + 1 - len(toks)
                 req.num_computed_tokens -= num_rejected
@@ -326,6 +329,8 @@ class Scheduler:
                         toks = toks[:k + 1]
                     break
             if status is None:
+                if async_ and running:
+                    self.kv_cache_manager.cache_known_blocks(req)
                 outputs.append(EngineCoreOutput(rid, toks, None, None, req.num_cached_tokens))
             else:
                 if running:
@@ -383,23 +388,3 @@ class AsyncScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         super().__init__(config)
         self.async_scheduling = True
-
-
-def check_new_request(c: SchedulerConfig, rid: str, n: int, max_tokens: int) -> None:
-    """What add_request refuses for a prompt of n tokens (a frontend checks it too, before a
-    request travels to the engine core)."""
-    if n == 0:
-        raise ValueError(f"request {rid!r}: the prompt is empty")
-    if n >= c.max_model_len:
-        raise ValueError(f"request {rid!r}: prompt of {n} tokens must be shorter than "
-                         f"max_model_len ({c.max_model_len})")
-    if not c.enable_chunked_prefill and n > c.max_num_batched_tokens:
-        raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds "
-                         f"max_num_batched_tokens ({c.max_num_batched_tokens}) and chunked "
-                         f"prefill is disabled")
-    longest = min(n + max_tokens - 1, c.max_model_len)
-    need = -(-longest // c.block_size)
-    if need > c.num_blocks:
-        raise ValueError(f"request {rid!r}: up to {longest} tokens need {need} KV blocks but "
-                         f"the cache has only num_blocks={c.num_blocks}; lower max_tokens or "
-                         f"add blocks")

@@ -23,7 +23,8 @@ from kvflow.engine.messages import EngineCoreOutputs, EngineCoreRequest, Ready
 from kvflow.model.attention.selector import make_backend, resolve_attention_backend, resolve_device
 from kvflow.model.distributed.parallel import max_kv_heads
 from kvflow.model.loader.model_loader import Checkpoint, open_checkpoint
-from kvflow.model.runner.model_runner import ModelRunner, num_blocks_for_memory
+from kvflow.model.runner.kv_cache import num_blocks_for_memory
+from kvflow.model.runner.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from kvflow.engine.structured_output import StructuredOutputManager

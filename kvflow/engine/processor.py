@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvflow.core import SchedulerConfig
 from kvflow.core.outputs import EngineCoreOutput
-from kvflow.core.scheduler import check_new_request
+from kvflow.core.config import check_new_request
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.engine.messages import EngineCoreRequest
 from kvflow.engine.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,

@@ -7,8 +7,9 @@ marked torch-free are imported by the serving frontend and must stay so):
 - models/: the transformer definitions: llama.py, qwen2.py, qwen3.py, and layers.py (RMSNorm,
   RoPE, MLP, the linears and when they use the native kernels).
 - runner/: executing a step. model_runner.py (ModelRunner: SchedulerOutput -> one forward pass
-  -> sampled ids; num_blocks_for_memory), cuda_model_runner.py (CudaModelRunner), cuda_graphs.py,
-  input_batch.py (per-request state, a step's inputs), h2d.py (host-to-device copies).
+  -> ModelRunnerOutput), cuda_model_runner.py (CudaModelRunner), cuda_graphs.py, input_batch.py
+  (per-request state, a step's inputs), kv_cache.py (blocks per byte budget, the zeroed cache),
+  h2d.py (host-to-device copies). kvflow/engine/worker.py builds a runner; executor.py drives it.
 - sample/: logits to tokens. sampler.py, logits_processors.py (biases, penalties), logprobs.py,
   grammar.py (the structured-output bitmask applied to the logits).
 - attention/: paged attention. backend.py (AttentionMetadata, the AttentionBackend interface and

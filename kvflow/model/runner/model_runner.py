@@ -6,8 +6,6 @@ SchedulerOutput alone, so that the scheduler's Request objects could live in ano
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 
 import torch
 
@@ -16,37 +14,14 @@ from kvflow.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, N
 from kvflow.model.attention.backend import (AttentionBackend, AttentionMetadata,
                                             TorchAttentionBackend)
 from kvflow.model.config import ModelConfig
-from kvflow.model.sample.grammar import apply_grammar_bitmask
 from kvflow.model.runner.h2d import upload
 from kvflow.model.runner.input_batch import CachedRequestState, StepInputs, add_prompt_rows
+from kvflow.model.runner.kv_cache import zeroed_kv_cache
+from kvflow.model.sample.grammar import apply_grammar_bitmask
 from kvflow.model.sample.logits_processors import TokenCounts, static_bias
 from kvflow.model.sample.logprobs import LogprobEntry, token_logprobs
 from kvflow.model.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams, short_repr
-
-
-def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
-                          kv_cache_memory: int) -> int:
-    per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
-    n = int(kv_cache_memory) // per_block
-    if n < 1:
-        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no KV block "
-                         f"({per_block} bytes per block of {block_size} tokens)")
-    return n
-
-
-def _zeros(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Zeroed KV memory. Zeros, not garbage: a NaN in an unused slot would survive the attention
-    mask (NaN + -inf). On CPU an anonymous mmap maps zero pages lazily, so gigabytes cost nothing
-    until touched (torch.zeros writes them all, ~0.4 s per GiB). It is a shared mapping with
-    4 KiB pages on purpose: measured on the dev VM, private memory with MADV_HUGEPAGE made the
-    first touch much dearer (the decode step in which 256 requests each open a block: 54 ms ->
-    144 ms, 2 MiB pages zeroed and compacted on demand; the headline run 4,560 -> 4,130 tok/s)."""
-    if device != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 _NONE: list[int] = []     # no drafts (shared, never mutated)
@@ -73,7 +48,7 @@ class ModelRunner:
         # One allocation for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         shape = (cfg.num_layers, 2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads,
                  cfg.head_dim)
-        self.kv_cache = _zeros(shape, dtype, device)
+        self.kv_cache = zeroed_kv_cache(shape, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed, device)
         self.token_counts = TokenCounts(cfg.vocab_size, self._device)
