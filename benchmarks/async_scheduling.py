@@ -44,7 +44,8 @@ def offline_worker(a) -> None:
 
     from kvflow import LLM, SamplingParams
     rng = random.Random(0)
-    llm = LLM(a.model, async_scheduling=a.worker == "on", max_num_seqs=256)
+    llm = LLM(a.model, async_scheduling=a.worker == "on", max_num_seqs=256,
+              num_threads=a.num_threads)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(a.offline_in)]}
                for _ in range(a.offline_prompts)]
@@ -60,7 +61,8 @@ def offline_worker(a) -> None:
 def run_offline(a, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode, "--offline-prompts",
            str(a.offline_prompts), "--offline-in", str(a.offline_in), "--offline-out",
-           str(a.offline_out), "--model", a.model]
+           str(a.offline_out), "--model", a.model] + (
+               ["--num-threads", str(a.num_threads)] if a.num_threads else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -78,7 +80,8 @@ def run_serve(a, mode: str) -> dict:
     flag = "--async-scheduling" if mode == "on" else "--no-async-scheduling"
     server = subprocess.Popen(
         [sys.executable, "-m", "kvflow.cli", "serve", a.model, "--served-model-name", "bench",
-         "--port", str(port), flag, "--log-level", "warning"],
+         "--port", str(port), flag, "--log-level", "warning"] + (
+            ["--num-threads", str(a.num_threads)] if a.num_threads else []),
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -134,6 +137,8 @@ def main() -> None:
                     default="vllm" if os.path.exists(VPY) else "kvflow",
                     help="the serve load generator (default: vLLM's where .venv-vllm exists)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="torch threads of the engine (default: torch's, one per core)")
     ap.add_argument("--offline-prompts", type=int, default=256)
     ap.add_argument("--offline-in", type=int, default=32)
     ap.add_argument("--offline-out", type=int, default=64)
