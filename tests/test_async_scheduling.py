@@ -38,7 +38,8 @@ def test_a_request_preempted_while_its_step_runs_keeps_the_token_that_step_sampl
     so1 = s.schedule()
     assert list(so1.num_scheduled_tokens) == ["r1"] and len(so1.block_ids["r1"]) == 5
     s.update_from_output(so0, ModelRunnerOutput(req_ids=["r0"], req_id_to_index={"r0": 0},
-                                                sampled_token_ids=[[0]]))
+                                                sampled_token_ids=[[0]], logprobs=None,
+                                                prompt_logprobs_dict={}, pooler_output=[]))
     s.schedule()            # r0 needs a sixth block: r1 is preempted
     assert s.running == [r0] and r1.status == RequestStatus.PREEMPTED
     s.update_from_output(so1, ModelRunnerOutput(req_ids=["r1"], req_id_to_index={"r1": 0},

@@ -119,6 +119,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobEntry]] | None = None
     prompt_logprobs_dict: dict[str, list[LogprobEntry]] = field(default_factory=dict)
     failed: dict[str, RequestFailure] = field(default_factory=dict)
+    # vLLM's field for pooling models, which kvflow does not serve: accepted and ignored, so
+    # that code (and tests) written against vLLM's ModelRunnerOutput run unchanged.
+    pooler_output: list | None = None
 
     @classmethod
     def from_sampled(cls, sampled: dict[str, list[int]], **kw) -> "ModelRunnerOutput":
