@@ -24,6 +24,7 @@ import weakref
 
 import msgspec
 
+from kvflow import envs
 from kvflow.core.config import SchedulerConfig
 from kvflow.core.outputs import ModelRunnerOutput
 from kvflow.engine.arg_utils import EngineArgs
@@ -39,23 +40,11 @@ logger = logging.getLogger(__name__)
 _ACTIVE: weakref.ref | None = None     # this process's TPExecutor (one process group per process)
 
 
-class Launch:
-    """Rank 0's process group and the worker processes it started (none under torchrun)."""
-
-    def __init__(self, tp: TPGroup, procs: list[subprocess.Popen]) -> None:
-        self.tp, self.procs = tp, procs
-
-    def abort(self) -> None:
-        """Loading failed on rank 0: the workers cannot go on."""
-        _stop(self.tp, self.procs, graceful=False)
-
-
-def launch(args: EngineArgs, model_cfg, device: str) -> Launch | None:
-    """None with tensor_parallel_size 1. Else rank 0's Launch, its workers started (or, under
-    torchrun, found) and the process group joined."""
+def launch(args: EngineArgs, model_cfg, device: str
+           ) -> tuple[TPGroup, list[subprocess.Popen]]:
+    """Rank 0's process group, joined, and the worker processes it started (none under
+    torchrun, whose ranks it joins)."""
     n = args.tensor_parallel_size
-    if n == 1:
-        return None
     check_tp_size(model_cfg, n)     # before any process starts
     _shut_down_previous()
     env = torchrun_env()
@@ -75,7 +64,7 @@ def launch(args: EngineArgs, model_cfg, device: str) -> Launch | None:
     except BaseException:
         _stop(None, procs, graceful=False)
         raise
-    return Launch(tp, procs)
+    return tp, procs
 
 
 def _free_port() -> int:
@@ -90,7 +79,6 @@ def _spawn_worker(args: EngineArgs, rank: int, world: int, addr: str, port: int
                MASTER_ADDR=addr, MASTER_PORT=str(port))
     # Sleeping, not spinning, OpenMP threads: a worker waits in gloo between steps.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from kvflow import envs     # here, not at the top: keeps this change inside _spawn_worker
     envs.set_process_defaults(env)
     return subprocess.Popen(
         [sys.executable, "-m", "kvflow.engine.tp_worker", str(os.getpid()),
@@ -103,16 +91,16 @@ class TPExecutor(Executor):
 
     def __init__(self, args: EngineArgs, ckpt, device: str, backend) -> None:
         super().__init__(args, ckpt, device, backend)
-        started = launch(args, ModelConfig.from_hf(ckpt.config), device)
-        self.tp, self.procs = started.tp, started.procs
+        self.tp, self.procs = launch(args, ModelConfig.from_hf(ckpt.config), device)
         self._sampled: dict[str, list[int]] = {}
         self._failed: dict = {}
         self._error: str | None = None
         self._state = {"stopped": False}
+        self._finalizer: weakref.finalize | None = None     # set once the workers are built
         try:
             self.model_config, self.model, self.dtype = load_model(args, device, self.tp, ckpt)
         except BaseException:
-            started.abort()
+            self._abort()
             raise
 
     def initialize(self, scheduler_config: SchedulerConfig) -> None:
@@ -121,20 +109,24 @@ class TPExecutor(Executor):
             self.runner = make_model_runner(self.args, self.model, self.model_config,
                                             self.dtype, self.backend, self.device,
                                             scheduler_config)
-        except BaseException:
-            _stop(self.tp, self.procs, graceful=False)
-            raise
-        self._finalizer = weakref.finalize(self, _stop, self.tp, self.procs, True, self._state)
-        # The workers size their KV caches from rank 0's scheduler config, then all meet.
-        try:
+            # The workers size their KV caches from rank 0's scheduler config, then all meet.
             self.tp.send(InitWorkers(scheduler_config))
             self.tp.barrier()
-        except Exception as e:      # a worker failed to load
-            self._state["stopped"] = True
+        except Exception as e:      # a worker failed to load, or rank 0 did
             error = f"tensor-parallel start failed: {_explain(self.procs, e)}"
-            _stop(self.tp, self.procs, graceful=False)
+            self._abort()
             raise RuntimeError(error) from e
+        except BaseException:
+            self._abort()
+            raise
+        self._finalizer = weakref.finalize(self, _stop, self.tp, self.procs, True, self._state)
         _ACTIVE = weakref.ref(self)
+
+    def _abort(self) -> None:
+        """Starting failed: the workers cannot go on (they wait for a message that never comes)."""
+        if not self._state["stopped"]:
+            self._state["stopped"] = True
+            _stop(self.tp, self.procs, graceful=False)
 
     def _execute(self, so, grammar_bitmask) -> ModelRunnerOutput:
         if self._error is not None:
@@ -165,9 +157,10 @@ class TPExecutor(Executor):
         """Tell the workers to exit and leave the process group (also at exit, or when the
         executor is collected)."""
         super().shutdown()
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()
+        if self._finalizer is None:
+            self._abort()
+        else:
+            self._finalizer()
 
 
 def _explain(procs: list[subprocess.Popen], e: Exception) -> str:
