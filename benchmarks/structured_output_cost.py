@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_info import cpu_line  # noqa: E402
 
 from kvflow import SamplingParams  # noqa: E402
-from kvflow.core.outputs import SchedulerOutput  # noqa: E402
 from kvflow.engine.structured_output import StructuredOutputManager  # noqa: E402
 from kvflow.engine.tokenizer import Tokenizer  # noqa: E402
 from kvflow.model.loader.checkpoint import default_model_path, open_checkpoint  # noqa: E402
@@ -82,8 +81,7 @@ def run(args) -> None:
         t0 = time.perf_counter()
         bitmask = mgr.grammar_bitmask(ids)
         t1 = time.perf_counter()
-        apply_grammar_bitmask(logits, SchedulerOutput(structured_output_request_ids=ids,
-                                                      grammar_bitmask=bitmask), reqs, drafts)
+        apply_grammar_bitmask(logits, bitmask, ids, reqs, drafts)
         t2 = time.perf_counter()
         sampler(logits, params, [None] * len(ids))
         t3 = time.perf_counter()
