@@ -95,6 +95,15 @@ def test_async_scheduling_refuses_ngram_drafts_naming_both():
         "cuda")
 
 
+def test_the_flag_is_generated_from_engine_args():
+    import argparse
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    for argv, want in (([], None), (["--async-scheduling"], True),
+                       (["--no-async-scheduling"], False)):
+        assert EngineArgs.from_cli_args(p.parse_args(argv)).async_scheduling is want
+
+
 def test_the_default_is_on_with_cuda_and_off_on_cpu():
     assert EngineArgs().resolved_async_scheduling("cuda")
     assert not EngineArgs().resolved_async_scheduling("cpu")

@@ -132,13 +132,14 @@ class EngineCore:
         sched, queue = self.scheduler, self.batch_queue
         outputs, self._errors = self._errors, []
         scheduled = False
-        if len(queue) < 2 and sched.has_unfinished_requests() and not (
+        depth = self.model_executor.max_concurrent_batches
+        if len(queue) < depth and sched.has_unfinished_requests() and not (
                 queue and sched.num_structured_requests):
             so = sched.schedule()
             queue.append([so, self.model_executor.execute_model(
                 so, self._grammar_bitmask(so), non_block=True), t0, set()])
             scheduled = so.total_num_scheduled_tokens > 0
-        if queue and (len(queue) == 2 or not scheduled):
+        if queue and (len(queue) == depth or not scheduled):
             so, future, start, gone = queue.popleft()
             out = future.result()
             if gone:    # their tokens are not for a request that reuses the id since

@@ -29,6 +29,8 @@ class Executor(ABC):
 
     def __init__(self, args: EngineArgs, ckpt, device: str, backend) -> None:
         self.args, self.device, self.backend = args, device, backend
+        # vLLM's name: steps in flight at once (the engine core's batch queue depth).
+        self.max_concurrent_batches = 2 if args.resolved_async_scheduling(device) else 1
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future | None = None
 
