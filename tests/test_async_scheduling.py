@@ -84,6 +84,15 @@ def test_a_token_in_flight_is_scheduled_on_a_placeholder():
     assert s.kv_cache_manager.num_free_blocks == 16
 
 
+def test_a_structured_request_on_a_placeholder_still_asks_for_its_bitmask_row():
+    from kvflow import StructuredOutputsParams
+    s = AsyncScheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    s.add_request(req("g", 5, max_tokens=4, structured_outputs=StructuredOutputsParams(
+        regex="a+")))
+    assert s.schedule().structured_output_request_ids == ["g"]
+    assert s.schedule().structured_output_request_ids == ["g"]     # its token is in flight
+
+
 def test_async_scheduling_refuses_ngram_drafts_naming_both():
     with pytest.raises(ValueError, match="async_scheduling.*speculative_config"):
         EngineArgs(async_scheduling=True, speculative_config={"method": "ngram"})
@@ -91,6 +100,9 @@ def test_async_scheduling_refuses_ngram_drafts_naming_both():
         SchedulerConfig(async_scheduling=True,
                         speculative_config=EngineArgs(speculative_config={
                             "method": "ngram"}).speculative_config_obj())
+    with pytest.raises(ValueError, match="async_scheduling.*speculative_config"):
+        AsyncScheduler(SchedulerConfig(speculative_config=EngineArgs(speculative_config={
+            "method": "ngram"}).speculative_config_obj()))
     assert not EngineArgs(speculative_config={"method": "ngram"}).resolved_async_scheduling(
         "cuda")
 

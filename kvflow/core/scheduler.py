@@ -7,6 +7,7 @@ preempted nothing, in queue order, stopping at the first that does not fit.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from kvflow.core.config import SchedulerConfig, check_new_request
@@ -217,10 +218,12 @@ class Scheduler:
 
     def _sampling_structured(self, num_scheduled: dict[str, int]) -> list[str]:
         """The scheduled requests with a grammar that sample this step (their computed tokens
-        reach their last token: a prefill chunk short of it samples nothing)."""
+        reach their last token, tokens in flight included: a prefill chunk short of it samples
+        nothing). Called before this step's placeholders are added."""
         reqs = self.requests
         return [rid for rid in num_scheduled if reqs[rid].use_structured_output
-                and reqs[rid].num_computed_tokens >= len(reqs[rid].all_token_ids)]
+                and reqs[rid].num_computed_tokens >= len(reqs[rid].all_token_ids)
+                + reqs[rid].num_output_placeholders]
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
@@ -386,5 +389,4 @@ class AsyncScheduler(Scheduler):
     """The scheduler with async scheduling on, whatever the config says (vLLM's class name)."""
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
-        super().__init__(config)
-        self.async_scheduling = True
+        super().__init__(dataclasses.replace(config or SchedulerConfig(), async_scheduling=True))

@@ -50,7 +50,7 @@ class EngineCore:
             cfg, dtype = ex.model_config, ex.dtype
             self.model_config, self.dtype = cfg, dtype
             self.scheduler_config = _scheduler_config(args, cfg, dtype, device, ex.model,
-                                                      backend)
+                                                      backend, ex.max_concurrent_batches > 1)
             ex.initialize(self.scheduler_config)
         except BaseException:
             ex.shutdown()
@@ -287,8 +287,8 @@ def _attach_logprobs(outs: list[EngineCoreOutput], out: ModelRunnerOutput) -> No
         o.new_prompt_logprobs = prompt.get(o.request_id)
 
 
-def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
-                      ) -> SchedulerConfig:
+def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend,
+                      async_scheduling: bool) -> SchedulerConfig:
     max_len = args.max_model_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings and not cfg.rope_scaling:
         raise ValueError(f"max_model_len={max_len} exceeds the model's "
@@ -321,7 +321,7 @@ def _scheduler_config(args: EngineArgs, cfg, dtype, device: str, model, backend
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.policy,
         watermark=args.watermark, speculative_config=args.speculative_config_obj(),
-        async_scheduling=args.resolved_async_scheduling(device))
+        async_scheduling=async_scheduling)
 
 
 def _tp_cuda_kv_memory(utilization: float) -> int:
